@@ -1,0 +1,103 @@
+"""KV cache for decoding: one preallocated buffer per layer, written by slot, lengths per sequence.
+
+A dense block stores every token. A routed block stores K/V only for the tokens it processed (already rotated
+by RoPE at their original positions, in causal order), so its cache is really shorter. Routed buffers start
+small and double when full, so memory follows what was stored rather than the longest possible sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class LayerKVCache:
+    """K/V of one layer for a batch: (B, H, slots, head_dim) buffers and per-sequence lengths (B,)."""
+
+    def __init__(self, batch: int, n_heads: int, head_dim: int, slots: int, max_slots: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.max_slots = max_slots
+        self.keys = torch.zeros(batch, n_heads, slots, head_dim, device=device, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
+        self.max_length = 0  # host-side upper bound of lengths: attention reads only this many slots
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[2]
+
+    def _ensure_slots(self, needed: int) -> None:
+        if needed <= self.slots:
+            return
+        new_slots = min(max(needed, 2 * self.slots), max(needed, self.max_slots))
+        grow = new_slots - self.slots
+        pad = self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])
+        self.keys = torch.cat([self.keys, pad], dim=2)
+        self.values = torch.cat([self.values, pad], dim=2)
+
+    def write_prefix(self, rows: Tensor, keys: Tensor, values: Tensor, counts: Tensor) -> None:
+        """Prefill: keys/values (n, H, k, hd) go to slots 0..k-1 of `rows`; only `counts` of them are real."""
+        k = keys.shape[2]
+        self._ensure_slots(k)
+        self.keys[rows, :, :k] = keys.to(self.keys.dtype)
+        self.values[rows, :, :k] = values.to(self.values.dtype)
+        self.lengths[rows] = counts
+        self.max_length = max(self.max_length, k)
+
+    def append(self, rows: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Decode: write one token per row (keys (n, H, 1, hd)) at its sequence's next slot.
+
+        Returns the keys and values to attend to, (n, H, L, hd), and a boolean mask (n, 1, 1, L) that always
+        includes the slot just written, so no attention row is ever fully masked.
+        """
+        self._ensure_slots(self.max_length + 1)
+        slot = self.lengths[rows]  # (n,)
+        self.keys[rows, :, slot] = keys[:, :, 0].to(self.keys.dtype)
+        self.values[rows, :, slot] = values[:, :, 0].to(self.values.dtype)
+        self.lengths[rows] = slot + 1
+        self.max_length += 1
+        span = self.max_length
+        mask = torch.arange(span, device=slot.device)[None, :] <= slot[:, None]  # (n, L)
+        return self.keys[rows, :, :span], self.values[rows, :, :span], mask[:, None, None, :]
+
+    def stored_bytes(self) -> int:
+        """Bytes of K and V actually held for the tokens this layer processed."""
+        per_token = 2 * self.keys.shape[1] * self.keys.shape[3] * self.keys.element_size()
+        return int(self.lengths.sum()) * per_token
+
+    def allocated_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+class DecoderCache:
+    """The caches of every layer plus each sequence's next position."""
+
+    def __init__(self, layers: list[LayerKVCache], positions: Tensor) -> None:
+        self.layers = layers
+        self.positions = positions  # (B,) position of the next token of each sequence
+
+    @classmethod
+    def allocate(cls, config, batch: int, max_tokens: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> DecoderCache:
+        """Dense layers get `max_tokens` slots up front; routed layers start at the top-k share and grow."""
+        layers = []
+        for layer in range(config.n_layers):
+            if config.is_routed(layer):
+                slots = min(max_tokens, max(16, 2 * config.capacity_tokens(max_tokens)))
+            else:
+                slots = max_tokens
+            layers.append(LayerKVCache(batch, config.n_heads, config.head_dim, slots, max_tokens, device, dtype))
+        return cls(layers, torch.zeros(batch, dtype=torch.long, device=device))
+
+    def stored_bytes(self) -> int:
+        return sum(layer.stored_bytes() for layer in self.layers)
+
+    def dense_equivalent_bytes(self) -> int:
+        """What a dense model of the same shape would hold for the same tokens."""
+        ref = self.layers[0]
+        per_token = 2 * ref.keys.shape[1] * ref.keys.shape[3] * ref.keys.element_size()
+        return int(self.positions.sum()) * per_token * len(self.layers)
+
+    def lengths(self) -> list[list[int]]:
+        """Per layer, per sequence: how many tokens the layer holds."""
+        return [layer.lengths.tolist() for layer in self.layers]

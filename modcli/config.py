@@ -1,0 +1,282 @@
+"""Configuration dataclasses (one per concern), presets, and the merge of preset < TOML file < flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from modcli.errors import UserError
+
+ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
+ROUTING_MODES = ("topk", "router", "predictor")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and routing of an MoD decoder; `route_every=0` is the dense twin."""
+
+    vocab_size: int = 256
+    """Vocabulary size (256: byte-level tokens)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block (d_model must be divisible by it)."""
+    seq_len: int = 128
+    """Training context length in tokens."""
+    mlp_hidden: int = 0
+    """Hidden width of the SwiGLU MLP; 0 picks 8/3 x d_model rounded up to a multiple of 32."""
+    capacity: float = 0.125
+    """Fraction of tokens a routed block processes: k = max(1, floor(capacity x T))."""
+    route_every: int = 2
+    """Every how many blocks one is routed (2 = every other block, the paper's choice; 0 = dense)."""
+    route_offset: int = 1
+    """Index of the first routed block (block i is routed when i % route_every == route_offset)."""
+    router_weight: str = "sigmoid"
+    """How the router logit scales the block's delta: sigmoid, identity (the paper) or none (gating off)."""
+    predictor_hidden: int = 32
+    """Hidden width of the causal predictor MLP per routed block; 0 trains no predictor."""
+    dropout: float = 0.0
+    """Dropout on attention weights and on block deltas during training."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the LM head."""
+    rope_base: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+
+    def __post_init__(self) -> None:
+        require(self.vocab_size >= 2, f"--vocab-size must be >= 2, got {self.vocab_size}")
+        require(self.d_model >= 1, f"--d-model must be positive, got {self.d_model}")
+        require(self.n_layers >= 1, f"--n-layers must be positive, got {self.n_layers}")
+        require(self.n_heads >= 1, f"--n-heads must be positive, got {self.n_heads}")
+        require(
+            self.d_model % self.n_heads == 0,
+            f"--d-model ({self.d_model}) must be divisible by --n-heads ({self.n_heads})",
+        )
+        require(
+            (self.d_model // self.n_heads) % 2 == 0,
+            f"head size d_model/n_heads must be even for RoPE, got {self.d_model // self.n_heads}",
+        )
+        require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
+        require(0.0 < self.capacity <= 1.0, f"--capacity must be in (0, 1], got {self.capacity}")
+        require(self.route_every >= 0, f"--route-every must be >= 0, got {self.route_every}")
+        require(self.route_offset >= 0, f"--route-offset must be >= 0, got {self.route_offset}")
+        require(
+            self.router_weight in ROUTER_WEIGHTS,
+            f"--router-weight must be one of {', '.join(ROUTER_WEIGHTS)}, got {self.router_weight!r}",
+        )
+        require(self.predictor_hidden >= 0, f"--predictor-hidden must be >= 0, got {self.predictor_hidden}")
+        require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
+        require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def dense(self) -> bool:
+        return not self.routed_layers()
+
+    def is_routed(self, layer: int) -> bool:
+        return self.route_every > 0 and layer % self.route_every == self.route_offset % self.route_every
+
+    def routed_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_routed(i)]
+
+    def capacity_tokens(self, seq_len: int) -> int:
+        """k for a sequence of `seq_len` tokens: max(1, floor(capacity x T)), in exact integer arithmetic.
+
+        The capacity is read as a fraction num/den (e.g. 0.125 = 1/8) so that k = T * num // den has no
+        floating-point surprises (0.29 x 100 is 28.999... in floats) and can be computed the same way
+        inside an exported graph.
+        """
+        num, den = self.capacity_fraction()
+        return max(1, (seq_len * num) // den)
+
+    def capacity_fraction(self) -> tuple[int, int]:
+        frac = Fraction(self.capacity).limit_denominator(1_000_000)
+        return frac.numerator, frac.denominator
+
+    def dense_twin(self) -> ModelConfig:
+        """The same shape with routing switched off."""
+        return dataclasses.replace(self, route_every=0)
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from."""
+
+    data: str | None = None
+    """A text file, a folder of files, or a tokenised .bin; None = the built-in Python stdlib corpus."""
+    glob: str = "**/*"
+    """Pattern of the files to read when --data is a folder."""
+    val_fraction: float = 0.02
+    """Fraction held out for validation (by file for folders, the tail for a single file)."""
+
+    def __post_init__(self) -> None:
+        require(0.0 < self.val_fraction < 0.5, f"--val-fraction must be in (0, 0.5), got {self.val_fraction}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, logging and checkpointing of `modcli train`."""
+
+    batch_size: int = 16
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimiser step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr x min_lr_ratio."""
+    warmup: int = 20
+    """Linear warm-up steps."""
+    max_steps: int = 300
+    """Optimiser steps (also the length of the cosine schedule)."""
+    flops_budget: float = 0.0
+    """Stop once this many training FLOPs (3 x forward) are spent; 0 = no budget."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norms, biases or embeddings)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    router_aux_weight: float = 0.01
+    """Weight of the auxiliary BCE loss that teaches the router's sign to match top-k (causal decoding)."""
+    eval_every: int = 100
+    """Evaluate and save a checkpoint every this many steps."""
+    eval_batches: int = 8
+    """Validation batches per evaluation."""
+    log_every: int = 10
+    """Print a progress line every this many steps when stderr is not a terminal."""
+    seed: int = 1337
+    """Seed for weights, data order and dropout."""
+    device: str = "auto"
+    """auto, cpu, cuda or mps."""
+    dtype: str = "float32"
+    """Autocast dtype: float32, bfloat16 or float16."""
+    compile: bool = False
+    """torch.compile the model."""
+    out: str = "runs/latest"
+    """Run folder: checkpoints, metrics.jsonl, TensorBoard events."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in --out."""
+    keep: int = 3
+    """Keep the newest N checkpoints."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "log_every", "keep"):
+            value = getattr(self, name)
+            require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        require(self.lr > 0, f"--lr must be positive, got {self.lr}")
+        require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        require(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
+        require(self.flops_budget >= 0, f"--flops-budget must be >= 0, got {self.flops_budget}")
+        require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
+        require(self.router_aux_weight >= 0, f"--router-aux-weight must be >= 0, got {self.router_aux_weight}")
+        require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class RunConfig:
+    """Everything `modcli train` needs, as saved in a checkpoint's config.json."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        return cls(
+            model=_build(ModelConfig, raw.get("model", {})),
+            data=_build(DataConfig, raw.get("data", {})),
+            train=_build(TrainConfig, raw.get("train", {})),
+        )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # About a minute on 2 CPU cores with a clearly falling loss.
+    "tiny": dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, max_steps=300, lr=3e-3,
+                 warmup=20, eval_every=100),
+    # A few minutes to tens of minutes on a CPU; a realistic shape for `modcli profile`.
+    "small": dict(d_model=256, n_layers=8, n_heads=8, seq_len=256, batch_size=16, max_steps=1000, lr=2e-3,
+                  warmup=50, eval_every=250),
+    # For a GPU.
+    "base": dict(d_model=512, n_layers=12, n_heads=8, seq_len=1024, batch_size=32, max_steps=20000, lr=1e-3,
+                 warmup=500, eval_every=1000),
+}
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise UserError(f"unknown {cls.__name__} key(s): {', '.join(unknown)}")
+    return cls(**values)
+
+
+def _section_of(key: str) -> str:
+    for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
+        if key in {f.name for f in fields(cls)}:
+            return section
+    raise UserError(f"unknown option {key!r} (flags and config keys use the same names)")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config: flat keys named like the flags (dashes or underscores), or [model]/[data]/[train]."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config: no such file: {p}")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"--config: {p} is not valid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.replace("-", "_")] = value
+    return flat
+
+
+def resolve_run_config(
+    preset: str | None = "tiny", config_file: str | None = None, overrides: dict[str, Any] | None = None
+) -> RunConfig:
+    """Merge preset < TOML file < flags (flags win) into a validated RunConfig."""
+    merged: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise UserError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+        merged.update(PRESETS[preset])
+    if config_file:
+        merged.update(load_toml(config_file))
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if merged.pop("dense", False):
+        merged["route_every"] = 0
+    merged.pop("preset", None)
+    sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}}
+    for key, value in merged.items():
+        sections[_section_of(key)][key] = value
+    return RunConfig.from_dict(sections)

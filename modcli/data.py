@@ -1,0 +1,166 @@
+"""Byte-level data: the built-in corpus (the Python standard library's sources), user text, and batches.
+
+Every corpus ends up as two uint8 arrays (train and validation) memory-mapped from disk: bytes are tokens, so
+there is no tokenizer and nothing to download. Folders are concatenated once into a cache file under
+$MODCLI_CACHE (default ~/.cache/modcli) and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from modcli.config import DataConfig
+from modcli.errors import UserError
+
+FILE_SEPARATOR = b"\n\n"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MODCLI_CACHE") or Path.home() / ".cache" / "modcli")
+
+
+def _is_validation(relative_path: str, val_fraction: float) -> bool:
+    """Deterministic split by file: a hash of the relative path, the same on every machine."""
+    digest = hashlib.sha256(relative_path.encode()).digest()
+    return int.from_bytes(digest[:4], "big") / 2**32 < val_fraction
+
+
+def _write_atomically(path: Path, chunks: list[bytes]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _memmap(path: Path) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _folder_split(root: Path, files: list[Path], val_fraction: float, tag: str) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate files (sorted by relative path) into cached train/val .bin files, split by file hash."""
+    files = sorted(files, key=lambda f: f.relative_to(root).as_posix())
+    fingerprint = hashlib.sha256(repr(val_fraction).encode())
+    for f in files:
+        stat = f.stat()
+        fingerprint.update(f"{f.relative_to(root).as_posix()}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    base = cache_dir() / f"{tag}-{fingerprint.hexdigest()[:16]}"
+    train_path, val_path = base.with_suffix(".train.bin"), base.with_suffix(".val.bin")
+    if not (train_path.exists() and val_path.exists()):
+        train_chunks: list[bytes] = []
+        val_chunks: list[bytes] = []
+        for f in files:
+            chunks = val_chunks if _is_validation(f.relative_to(root).as_posix(), val_fraction) else train_chunks
+            chunks += [f.read_bytes(), FILE_SEPARATOR]
+        _write_atomically(val_path, val_chunks)
+        _write_atomically(train_path, train_chunks)
+    return _memmap(train_path), _memmap(val_path)
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """The standard library's .py sources (no site-packages): on every machine that runs Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [f for f in root.rglob("*.py") if "site-packages" not in f.parts and f.is_file()]
+    return root, files
+
+
+@dataclass
+class Corpus:
+    """Train and validation token arrays (uint8 bytes) and where they came from."""
+
+    train: np.ndarray
+    val: np.ndarray
+    description: str
+
+
+def load_corpus(config: DataConfig, seq_len: int) -> Corpus:
+    """Read the corpus named by `config` and check both splits hold at least one window of seq_len + 1."""
+    if config.data is None:
+        root, files = stdlib_files()
+        tag = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+        train, val = _folder_split(root, files, config.val_fraction, tag)
+        description = f"Python {sys.version_info.major}.{sys.version_info.minor} standard library ({len(files)} files)"
+    else:
+        path = Path(config.data)
+        if not path.exists():
+            raise UserError(f"--data: no such file or folder: {path}")
+        if path.is_dir():
+            files = [f for f in path.glob(config.glob) if f.is_file()]
+            if not files:
+                raise UserError(f"--data: no files match {config.glob!r} in {path}")
+            train, val = _folder_split(path.resolve(), [f.resolve() for f in files], config.val_fraction, "folder")
+            if len(val) < seq_len + 1 and len(train) > 0:
+                # Too few files for a split by file: fall back to the tail of the concatenation.
+                train, val = _tail_split(np.concatenate([train, val]), config.val_fraction, seq_len)
+            description = f"{path} ({len(files)} files)"
+        else:
+            train, val = _tail_split(_memmap(path), config.val_fraction, seq_len)
+            description = str(path)
+    total = len(train) + len(val)
+    if total == 0:
+        raise UserError(f"--data: the corpus is empty ({config.data})")
+    for name, split in (("training", train), ("validation", val)):
+        if len(split) < seq_len + 1:
+            raise UserError(
+                f"--data: corpus too short: the {name} split has {len(split)} tokens, needs at least "
+                f"seq_len + 1 = {seq_len + 1} (the whole corpus has {total})"
+            )
+    return Corpus(train, val, description)
+
+
+def _tail_split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """A single file: the last val_fraction (at least one window) is validation."""
+    n_val = max(seq_len + 1, int(len(tokens) * val_fraction))
+    if len(tokens) < 2 * (seq_len + 1):
+        raise UserError(
+            f"--data: corpus too short: {len(tokens)} tokens, needs at least 2 x (seq_len + 1) = {2 * (seq_len + 1)} "
+            "for a training and a validation window"
+        )
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+class BatchSampler:
+    """Random contiguous windows of seq_len + 1 tokens from a seeded generator whose state is checkpointed."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> inputs (B, T) and targets (B, T) as int64, on the CPU."""
+        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        windows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]  # (B, T+1)
+        batch = torch.from_numpy(windows.astype(np.int64))
+        return batch[:, :-1], batch[:, 1:]
+
+    def state(self) -> dict:
+        return self.rng.bit_generator.state
+
+    def load_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state
+
+
+def evaluation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int):
+    """Deterministic validation windows, evenly spaced over the split, so evaluations are comparable."""
+    n_windows = batch_size * n_batches
+    last_start = len(tokens) - seq_len - 1
+    starts = np.linspace(0, last_start, num=n_windows).astype(np.int64)
+    for i in range(n_batches):
+        chunk = starts[i * batch_size:(i + 1) * batch_size]
+        windows = torch.from_numpy(tokens[chunk[:, None] + np.arange(seq_len + 1)].astype(np.int64))
+        yield windows[:, :-1], windows[:, 1:]

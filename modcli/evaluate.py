@@ -1,0 +1,127 @@
+"""`modcli eval`: validation loss, bits per byte and perplexity under each routing mode.
+
+Top-k routing is the training-time rule and sees the future (token t's selection depends on later tokens), so
+its numbers are a reference only. The causal modes, `router` (router logit > 0) and `predictor` (predictor
+logit > 0), are what decoding can really do; their losses are the honest ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from modcli.checkpoint import load_model_from
+from modcli.config import ROUTING_MODES, DataConfig, require
+from modcli.data import evaluation_batches, load_corpus
+from modcli.errors import UserError
+from modcli.losses import bits_per_byte, lm_loss, routing_agreement
+from modcli.runtime import autocast, resolve_device
+
+CAUSAL = {"topk": False, "router": True, "predictor": True, "dense": True}
+
+
+@dataclass
+class EvalConfig:
+    """What `modcli eval` measures."""
+
+    checkpoint: str
+    """A run folder (its newest checkpoint) or one checkpoint folder."""
+    data: str | None = None
+    """Evaluate on this corpus' validation split instead of the one the model was trained on."""
+    glob: str = "**/*"
+    """File pattern when --data is a folder."""
+    routing: list[str] = field(default_factory=lambda: list(ROUTING_MODES))
+    """Routing modes to evaluate (topk is non-causal and reported as a reference)."""
+    batches: int = 16
+    """Validation batches."""
+    batch_size: int = 8
+    """Sequences per batch."""
+    device: str = "auto"
+    """auto, cpu, cuda or mps."""
+    dtype: str = "float32"
+    """Autocast dtype."""
+
+    def __post_init__(self) -> None:
+        require(self.batches >= 1, f"--batches must be >= 1, got {self.batches}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        for mode in self.routing:
+            require(mode in ROUTING_MODES, f"--routing must be among {', '.join(ROUTING_MODES)}, got {mode!r}")
+
+
+@dataclass
+class ModeResult:
+    routing: str
+    causal: bool
+    loss: float
+    bits_per_byte: float
+    perplexity: float
+    processed_fraction: dict[str, float]
+    """Per routed block: fraction of tokens the block processed in this mode."""
+
+
+@dataclass
+class EvalResult:
+    checkpoint: str
+    step: int
+    corpus: str
+    tokens: int
+    results: list[ModeResult]
+    agreement: dict[str, dict[str, dict[str, float]]]
+    """Per routed block, the causal rules against top-k: accuracy, precision, recall, processed fraction."""
+
+
+@torch.no_grad()
+def evaluate(config: EvalConfig) -> EvalResult:
+    device = resolve_device(config.device)
+    model, run_config, checkpoint = load_model_from(config.checkpoint, device)
+    seq_len = run_config.model.seq_len
+    data = run_config.data if config.data is None else DataConfig(data=config.data, glob=config.glob)
+    corpus = load_corpus(data, seq_len)
+    has_predictor = bool(run_config.model.predictor_hidden)
+    modes = list(config.routing)
+    if run_config.model.dense:
+        modes = ["dense"]
+    elif "predictor" in modes and not has_predictor:
+        if config.routing != list(ROUTING_MODES):
+            raise UserError(f"--routing predictor: {checkpoint} was trained without a predictor")
+        modes.remove("predictor")
+
+    totals = {mode: 0.0 for mode in modes}
+    processed = {mode: {} for mode in modes}
+    agreement_sums: dict = {}
+    n_batches = 0
+    for inputs, targets in evaluation_batches(corpus.val, seq_len, config.batch_size, config.batches):
+        inputs, targets = inputs.to(device), targets.to(device)
+        n_batches += 1
+        for mode in modes:
+            with autocast(device, config.dtype):
+                logits, records = model(inputs, "topk" if mode == "dense" else mode, return_records=True)
+            totals[mode] += lm_loss(logits, targets).item()
+            for record in records:
+                key = f"block{record.layer}"
+                fraction = record.selection.counts.sum().item() / inputs.numel()
+                processed[mode][key] = processed[mode].get(key, 0.0) + fraction
+            if mode == "topk":
+                _accumulate(agreement_sums, routing_agreement(records))
+
+    results = []
+    for mode in modes:
+        loss = totals[mode] / n_batches
+        results.append(ModeResult(
+            routing=mode, causal=CAUSAL[mode], loss=loss, bits_per_byte=bits_per_byte(loss),
+            perplexity=math.exp(loss), processed_fraction={k: v / n_batches for k, v in processed[mode].items()}))
+    agreement = {block: {rule: {k: v / n_batches for k, v in stats.items()} for rule, stats in rules.items()}
+                 for block, rules in agreement_sums.items()}
+    state_step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
+    return EvalResult(str(checkpoint), state_step, corpus.description, n_batches * config.batch_size * seq_len,
+                      results, agreement)
+
+
+def _accumulate(total: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict):
+            _accumulate(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0.0) + value

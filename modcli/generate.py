@@ -1,0 +1,176 @@
+"""`modcli generate`: causal-routing decoding with a KV cache that stores only what each block processed."""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from modcli.cache import DecoderCache
+from modcli.checkpoint import load_model_from
+from modcli.config import require
+from modcli.errors import UserError
+from modcli.model import MoDDecoder
+from modcli.reporting import stderr_console
+from modcli.runtime import TORCH_DTYPES, autocast, resolve_device
+
+
+@dataclass
+class GenerateConfig:
+    """What `modcli generate` produces."""
+
+    checkpoint: str
+    """A run folder (its newest checkpoint) or one checkpoint folder."""
+    prompts: list[str] = field(default_factory=lambda: ["def "])
+    """One or more prompts; several are generated as one batch."""
+    max_new_tokens: int = 200
+    """Bytes to generate per prompt."""
+    temperature: float = 0.8
+    """Sampling temperature; 0 = greedy."""
+    top_k: int = 0
+    """Sample from the k most likely bytes only (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of bytes whose probability reaches p (1 = off)."""
+    seed: int = 1337
+    """Seed of the sampler."""
+    routing: str = "router"
+    """Causal routing: router (router logit > 0) or predictor (predictor logit > 0)."""
+    device: str = "auto"
+    """auto, cpu, cuda or mps."""
+    dtype: str = "float32"
+    """Autocast dtype; the KV cache is kept in this dtype."""
+    compile: bool = False
+    """torch.compile the attention and MLP of each block (dynamic shapes)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.prompts), "--prompt: give at least one prompt")
+        require(all(self.prompts), "--prompt must not be empty")
+        require(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        require(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
+        require(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
+        require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        require(self.routing in ("router", "predictor"),
+                f"--routing must be router or predictor for decoding (topk sees the future), got {self.routing!r}")
+
+
+@dataclass
+class GenerateResult:
+    texts: list[str]
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+    processed_fraction: dict[str, float]
+    """Per routed block: fraction of all tokens (prompt and generated) the block processed."""
+    kv_cache_bytes: int
+    """Bytes of K/V held for the tokens each layer processed."""
+    dense_kv_cache_bytes: int
+    """What a dense model of the same shape would hold for the same tokens."""
+    routing: str
+
+
+def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> Tensor:
+    """logits (B, V) -> next tokens (B,)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the token that crosses p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+
+
+def prefill(model: MoDDecoder, prompts: list[bytes], cache: DecoderCache, routing: str, device: torch.device,
+            dtype: str) -> Tensor:
+    """Run each group of equal-length prompts through one causal forward that fills the cache -> (B, V)."""
+    last_logits = torch.empty(len(prompts), model.config.vocab_size, device=device)
+    by_length: dict[int, list[int]] = {}
+    for row, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(row)
+    for rows in by_length.values():
+        tokens = torch.tensor([list(prompts[r]) for r in rows], dtype=torch.long, device=device)  # (n, T)
+        row_index = torch.tensor(rows, device=device)
+        with autocast(device, dtype):
+            logits = model(tokens, routing, cache=cache, cache_rows=row_index)
+        last_logits[row_index] = logits[:, -1].float()
+    return last_logits
+
+
+@torch.no_grad()
+def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | None = None,
+             model: MoDDecoder | None = None) -> GenerateResult:
+    """Generate from each prompt; `on_bytes(row, new_bytes)` is called as tokens are produced."""
+    device = resolve_device(config.device)
+    if model is None:
+        model, _, _ = load_model_from(config.checkpoint, device)
+    if config.routing == "predictor" and not model.config.predictor_hidden and not model.config.dense:
+        raise UserError(f"--routing predictor: {config.checkpoint} was trained without a predictor")
+    if config.compile:
+        for block in model.blocks:
+            block.mlp = torch.compile(block.mlp, dynamic=True)
+            block.attn.qkv = torch.compile(block.attn.qkv, dynamic=True)
+    prompts = [p.encode("utf-8") for p in config.prompts]
+    batch = len(prompts)
+    max_tokens = max(len(p) for p in prompts) + config.max_new_tokens
+    if max_tokens > model.config.seq_len and on_bytes is not None:
+        stderr_console.print(f"[yellow]note: {max_tokens} tokens exceed the training context of "
+                             f"{model.config.seq_len}; positions beyond it were never trained[/]")
+    cache = DecoderCache.allocate(model.config, batch, max_tokens, device, TORCH_DTYPES[config.dtype])
+    generator = torch.Generator().manual_seed(config.seed)
+    outputs: list[list[int]] = [[] for _ in prompts]
+
+    start = time.perf_counter()
+    logits = prefill(model, prompts, cache, config.routing, device, config.dtype)
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for step in range(config.max_new_tokens):
+        next_tokens = sample(logits, config.temperature, config.top_k, config.top_p, generator)  # (B,)
+        for row, token in enumerate(next_tokens.tolist()):
+            outputs[row].append(token)
+            if on_bytes is not None:
+                on_bytes(row, bytes([token]))
+        if step + 1 == config.max_new_tokens:
+            break
+        with autocast(device, config.dtype):
+            logits = model.decode_step(next_tokens, cache, config.routing).float()
+    _sync(device)
+    decode_s = time.perf_counter() - start
+
+    positions = cache.positions.sum().item()
+    processed = {f"block{layer}": cache.layers[layer].lengths.sum().item() / positions
+                 for layer in model.config.routed_layers()}
+    return GenerateResult(
+        texts=[bytes(out).decode("utf-8", errors="replace") for out in outputs],
+        new_tokens=batch * config.max_new_tokens, prefill_s=prefill_s, decode_s=decode_s,
+        tokens_per_s=batch * config.max_new_tokens / max(prefill_s + decode_s, 1e-9),
+        processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
+        dense_kv_cache_bytes=cache.dense_equivalent_bytes(), routing=config.routing)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Utf8Stream:
+    """Writes bytes of one sequence as text as soon as they form whole UTF-8 characters."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.write = write
+
+    def __call__(self, row: int, data: bytes) -> None:
+        text = self.decoder.decode(data)
+        if text:
+            self.write(text)

@@ -1,0 +1,272 @@
+"""The Mixture-of-Depths decoder. One block class; the dense model is the same code with routing off.
+
+A routed block computes, for the tokens it selects (sorted ascending, original positions kept for RoPE and the
+causal mask), the delta f(x) = attn + mlp of a pre-norm block, and writes back x + w * f(x) with w the router
+weight. Every other token leaves the block bit for bit unchanged, and costs no attention or MLP work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from modcli.cache import DecoderCache, LayerKVCache
+from modcli.config import ROUTING_MODES, ModelConfig
+from modcli.errors import UserError
+from modcli.routing import (
+    ROUTER_WEIGHT_FUNCTIONS,
+    Selection,
+    gather_tokens,
+    scatter_tokens,
+    select_causal,
+    select_topk,
+)
+
+
+def rope_tables(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """Positions (...,) -> cos, sin (..., head_dim/2) in float32."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, n, hd); cos/sin (B, n, hd/2) at each token's original position."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, n, hd/2)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.dropout = config.dropout
+
+    def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        batch, n, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B,H,n,hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None) -> Tensor:
+        """Causal attention among the n given tokens (B, n, D), which are in ascending original order.
+
+        With `prefill = (cache, rows, counts)` their K/V are also written to the cache.
+        """
+        batch, n, d_model = x.shape
+        q, k, v = self._heads(x, cos, sin)
+        if prefill is not None:
+            cache, rows, counts = prefill
+            cache.write_prefix(rows, k, v, counts)
+        dropout = self.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, n, hd)
+        return self.proj(out.transpose(1, 2).reshape(batch, n, d_model))
+
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
+        """One new token per row (n, 1, D): append its K/V to the cache rows, attend to the row's cache."""
+        n, _, d_model = x.shape
+        q, k, v = self._heads(x, cos, sin)
+        keys, values, mask = cache.append(rows, k, v)  # (n, H, L, hd), (n, 1, 1, L)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(n, 1, d_model))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.d_model, 2 * config.hidden, bias=False)
+        self.down = nn.Linear(config.hidden, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Predictor(nn.Module):
+    """Causal stand-in for top-k (paper method 2): a small MLP on a stop-gradient copy of the block input."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(config.d_model, config.predictor_hidden),
+            nn.SiLU(),
+            nn.Linear(config.predictor_hidden, 1),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x.detach()).squeeze(-1)  # (B, T) logits; never sends gradient into the main model
+
+
+@dataclass
+class RoutingRecord:
+    """What a routed block decided, for the auxiliary losses and routing statistics."""
+
+    layer: int
+    router_logits: Tensor
+    """(B, T) router logits (the causal `router` rule processes a token when its logit > 0)."""
+    predictor_logits: Tensor | None
+    """(B, T) predictor logits, when the block has a predictor and they were asked for."""
+    selection: Selection
+    """The tokens the block processed in this forward pass."""
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self.attn_norm = nn.RMSNorm(config.d_model)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.d_model)
+        self.mlp = SwiGLU(config)
+        self.delta_dropout = nn.Dropout(config.dropout)
+        self.routed = config.is_routed(layer)
+        self.router = nn.Linear(config.d_model, 1) if self.routed else None
+        self.predictor = Predictor(config) if self.routed and config.predictor_hidden else None
+        self.router_weight = ROUTER_WEIGHT_FUNCTIONS[config.router_weight]
+
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None) -> Tensor:
+        """f(x) of a pre-norm block: the attention update plus the MLP update, without the residual."""
+        attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill))
+        mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update)))
+        return attn_update + mlp_update
+
+    def decisions(self, x: Tensor, router_logits: Tensor, routing: str) -> Tensor:
+        """Causal per-token yes/no (..., T) from the router's or the predictor's sign."""
+        if routing == "router":
+            return router_logits > 0
+        if self.predictor is None:
+            raise UserError("--routing predictor needs a model trained with a predictor (--predictor-hidden > 0)")
+        return self.predictor(x) > 0
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, routing: str, want_predictor: bool = False,
+                cache: LayerKVCache | None = None, cache_rows: Tensor | None = None,
+                ) -> tuple[Tensor, RoutingRecord | None]:
+        """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D) and what the block routed."""
+        batch, seq_len, _ = x.shape
+        if not self.routed:
+            prefill = None
+            if cache is not None:
+                prefill = (cache, cache_rows, torch.full((batch,), seq_len, device=x.device, dtype=torch.long))
+            return x + self.delta(x, cos[None], sin[None], prefill), None
+
+        router_logits = self.router(x).squeeze(-1)  # (B, T)
+        predictor_logits = self.predictor(x) if self.predictor is not None and (
+            want_predictor or routing == "predictor") else None
+        if routing == "topk":
+            selection = select_topk(router_logits, self.config.capacity_tokens(seq_len))
+        elif routing == "predictor" and predictor_logits is not None:
+            selection = select_causal(predictor_logits > 0)
+        else:
+            selection = select_causal(self.decisions(x, router_logits, routing))
+        record = RoutingRecord(self.layer, router_logits, predictor_logits, selection)
+
+        idx = selection.selected_idx  # (B, k)
+        if idx.shape[1] == 0:
+            if cache is not None:
+                cache.lengths[cache_rows] = 0
+            return x, record  # no sequence processed any token: the block costs nothing
+        x_selected = gather_tokens(x, idx)  # (B, k, D)
+        prefill = (cache, cache_rows, selection.counts) if cache is not None else None
+        delta = self.delta(x_selected, cos[idx], sin[idx], prefill)  # (B, k, D)
+        weight = self.router_weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
+        updated = x_selected + weight * delta
+        if selection.valid is not None:
+            updated = torch.where(selection.valid.unsqueeze(-1), updated, x_selected)  # padding slots unchanged
+        return scatter_tokens(x, idx, updated.to(x.dtype)), record
+
+    def decode(self, x: Tensor, positions: Tensor, routing: str, cache: LayerKVCache) -> Tensor:
+        """One token per sequence: x (B, 1, D), positions (B,). A skipped token does no attention/MLP work."""
+        batch = x.shape[0]
+        if not self.routed:
+            rows = torch.arange(batch, device=x.device)
+            cos, sin = rope_tables(positions[:, None], self.config.head_dim, self.config.rope_base)
+            return x + self._decode_delta(x, cos, sin, cache, rows)
+        router_logits = self.router(x).squeeze(-1)  # (B, 1)
+        rows = self.decisions(x, router_logits, routing)[:, 0].nonzero().squeeze(1)  # (n,) processed rows
+        if rows.numel() == 0:
+            return x
+        x_rows = x[rows]  # (n, 1, D)
+        cos, sin = rope_tables(positions[rows][:, None], self.config.head_dim, self.config.rope_base)
+        weight = self.router_weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
+        updated = x_rows + weight * self._decode_delta(x_rows, cos, sin, cache, rows)
+        return x.index_put((rows,), updated.to(x.dtype))
+
+    def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
+        attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows)
+        return attn_update + self.mlp(self.mlp_norm(x + attn_update))
+
+
+class MoDDecoder(nn.Module):
+    """Decoder-only transformer with Mixture-of-Depths blocks (every `route_every`-th one)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, std=residual_std)
+            nn.init.normal_(block.mlp.down.weight, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: Tensor, routing: str = "topk", *, return_records: bool = False,
+                cache: DecoderCache | None = None, cache_rows: Tensor | None = None):
+        """tokens (B, T) -> logits (B, T, V); with `return_records`, also each routed block's RoutingRecord.
+
+        `routing`: topk (training-time, non-causal), router or predictor (causal). With `cache` the K/V of
+        the tokens each block processes are written to rows `cache_rows` of the cache (prefill).
+        """
+        if routing not in ROUTING_MODES:
+            raise UserError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
+        batch, seq_len = tokens.shape
+        positions = torch.arange(seq_len, device=tokens.device)
+        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_base)  # (T, hd/2)
+        x = self.embed(tokens)  # (B, T, D)
+        records = []
+        if cache is not None and cache_rows is None:
+            cache_rows = torch.arange(batch, device=tokens.device)
+        for layer, block in enumerate(self.blocks):
+            layer_cache = cache.layers[layer] if cache is not None else None
+            x, record = block(x, cos, sin, routing, return_records, layer_cache, cache_rows)
+            if record is not None:
+                records.append(record)
+        if cache is not None:
+            cache.positions[cache_rows] = seq_len
+        logits = self.head(self.norm(x))  # (B, T, V)
+        return (logits, records) if return_records else logits
+
+    @torch.no_grad()
+    def decode_step(self, tokens: Tensor, cache: DecoderCache, routing: str = "router") -> Tensor:
+        """tokens (B,) at each sequence's next position -> logits (B, V); updates the cache."""
+        if routing == "topk":
+            raise UserError("--routing topk sees the future and cannot decode; use router or predictor")
+        x = self.embed(tokens)[:, None]  # (B, 1, D)
+        for layer, block in enumerate(self.blocks):
+            x = block.decode(x, cache.positions, routing, cache.layers[layer])
+        cache.positions += 1
+        return self.head(self.norm(x))[:, 0]  # (B, V)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

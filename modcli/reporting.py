@@ -1,0 +1,111 @@
+"""Where numbers go: metrics.jsonl (+ TensorBoard when installed), progress on stderr, tables on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+stderr_console = Console(stderr=True)
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl and mirrors scalars to TensorBoard if available."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            # Drop lines written after the checkpoint we resume from, so the log matches the resumed run.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a")
+        self.tensorboard = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=resume_step)
+        except ImportError:
+            pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in _flatten(record).items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class StepProgress:
+    """A Rich progress bar on a terminal; plain lines every `log_every` steps otherwise."""
+
+    def __init__(self, total: int, start: int, log_every: int, quiet: bool = False) -> None:
+        self.total, self.log_every, self.quiet = total, log_every, quiet
+        self.started = time.perf_counter()
+        self.start_step = start
+        self.bar = None
+        if not quiet and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=stderr_console)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
+
+    def update(self, step: int, info: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif not self.quiet and (step % self.log_every == 0 or step == self.total):
+            elapsed = time.perf_counter() - self.started
+            rate = (step - self.start_step) / max(elapsed, 1e-9)
+            eta = (self.total - step) / max(rate, 1e-9)
+            print(f"step {step}/{self.total} {info} eta {eta:.0f}s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def print_json(payload: dict[str, Any]) -> None:
+    """Exactly one JSON object on stdout."""
+    sys.stdout.write(json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def human(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}E"
