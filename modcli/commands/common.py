@@ -1,0 +1,32 @@
+"""Pieces shared by the subcommands: error handling, consoles, common option types."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from modcli.errors import TrainingDiverged, UserError
+
+stdout = Console()
+stderr = Console(stderr=True)
+
+Device = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
+Dtype = Annotated[str, typer.Option(help="Autocast dtype: float32, bfloat16 or float16.")]
+Json = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")]
+
+
+def user_errors(command):
+    """Turn a UserError (or a diverged run) into one red line on stderr and its exit code, no traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (UserError, TrainingDiverged) as exc:
+            stderr.print(f"[red]error: {exc}[/]", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper

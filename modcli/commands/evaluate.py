@@ -1,0 +1,55 @@
+"""`modcli eval`: one table per routing mode, and the causal rules' agreement with top-k."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Optional
+
+import typer
+
+from modcli.commands.common import Device, Dtype, Json, stdout, user_errors
+
+
+@user_errors
+def eval_command(
+    checkpoint: Annotated[str, typer.Argument(help="Run folder (newest checkpoint) or checkpoint folder.")],
+    data: Annotated[Optional[str], typer.Option(help="Evaluate on this corpus instead of the training one.")] = None,
+    glob: Annotated[str, typer.Option(help="File pattern when --data is a folder.")] = "**/*",
+    routing: Annotated[Optional[list[str]], typer.Option(help="topk, router, predictor (repeat; default all).")] = None,
+    batches: Annotated[int, typer.Option(help="Validation batches.")] = 16,
+    batch_size: Annotated[int, typer.Option(help="Sequences per batch.")] = 8,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    json_output: Json = False,
+) -> None:
+    """Validation loss, bits per byte and perplexity under each routing mode (topk is non-causal)."""
+    from rich.table import Table
+
+    from modcli.config import ROUTING_MODES
+    from modcli.evaluate import EvalConfig, evaluate
+
+    result = evaluate(EvalConfig(checkpoint=checkpoint, data=data, glob=glob,
+                                 routing=routing or list(ROUTING_MODES), batches=batches,
+                                 batch_size=batch_size, device=device, dtype=dtype))
+    if json_output:
+        from modcli.reporting import print_json
+        print_json(dataclasses.asdict(result))
+        return
+    table = Table(title=f"{result.checkpoint} on {result.corpus} ({result.tokens:,} tokens)")
+    for column in ("routing", "causal", "loss", "bits/byte", "perplexity", "processed per routed block"):
+        table.add_column(column, justify="left" if column in ("routing", "processed per routed block") else "right")
+    for r in result.results:
+        label = r.routing + (" (non-causal, reference only)" if not r.causal else "")
+        fractions = " ".join(f"{k}={v:.3f}" for k, v in r.processed_fraction.items()) or "-"
+        table.add_row(label, "yes" if r.causal else "no", f"{r.loss:.4f}", f"{r.bits_per_byte:.4f}",
+                      f"{r.perplexity:.3f}", fractions)
+    stdout.print(table)
+    if result.agreement:
+        agree = Table(title="causal rules against top-k (per routed block)")
+        for column in ("block", "rule", "accuracy", "precision", "recall", "processed"):
+            agree.add_column(column, justify="right")
+        for block, rules in result.agreement.items():
+            for rule, s in rules.items():
+                agree.add_row(block, rule, f"{s['accuracy']:.3f}", f"{s['precision']:.3f}", f"{s['recall']:.3f}",
+                              f"{s['processed_fraction']:.3f}")
+        stdout.print(agree)

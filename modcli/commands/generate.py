@@ -1,0 +1,57 @@
+"""`modcli generate`: stream text to stdout, statistics to stderr (or one JSON object)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from modcli.commands.common import Device, Dtype, Json, stderr, user_errors
+
+
+@user_errors
+def generate(
+    checkpoint: Annotated[str, typer.Argument(help="Run folder (newest checkpoint) or checkpoint folder.")],
+    prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeat for a batch).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Bytes to generate per prompt.")] = 200,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely bytes (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold (1 = off).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampler seed.")] = 1337,
+    routing: Annotated[str, typer.Option(help="Causal routing: router or predictor.")] = "router",
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile attention and MLP.")] = False,
+    json_output: Json = False,
+) -> None:
+    """Generate text with causal routing and a KV cache holding only the tokens each block processed."""
+    from modcli.generate import GenerateConfig, Utf8Stream
+    from modcli.generate import generate as run_generation
+
+    config = GenerateConfig(checkpoint=checkpoint, prompts=prompt or ["def "], max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, routing=routing,
+                            device=device, dtype=dtype, compile=compile)
+    stream = None
+    if not json_output and len(config.prompts) == 1:
+        sys.stdout.write(config.prompts[0])
+        writer = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+        stream = writer
+    result = run_generation(config, on_bytes=stream)
+    if json_output:
+        from modcli.reporting import print_json
+        print_json(dataclasses.asdict(result))
+        return
+    if stream is None:
+        for prompt_text, text in zip(config.prompts, result.texts, strict=True):
+            sys.stdout.write(f"{prompt_text}{text}\n---\n")
+    else:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    saving = 1 - result.kv_cache_bytes / max(1, result.dense_kv_cache_bytes)
+    fractions = " ".join(f"{k}={v:.3f}" for k, v in result.processed_fraction.items()) or "dense"
+    stderr.print(f"{result.new_tokens} tokens, {result.tokens_per_s:.1f} tokens/s (prefill {result.prefill_s:.3f}s, "
+                 f"decode {result.decode_s:.3f}s), routing {result.routing}, processed {fractions}, KV cache "
+                 f"{result.kv_cache_bytes:,} bytes vs dense {result.dense_kv_cache_bytes:,} ({saving:.1%} saved)",
+                 highlight=False, soft_wrap=True)

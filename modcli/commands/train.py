@@ -1,0 +1,87 @@
+"""`modcli train`: flags -> RunConfig -> modcli.train.train -> summary table."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from modcli.commands.common import Json, stdout, user_errors
+from modcli.errors import UserError
+
+
+@user_errors
+def train(
+    preset: Annotated[Optional[str], typer.Option(help="tiny, small or base (default tiny).")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="TOML file with the same keys as the flags; flags win.")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Text file, folder or .bin; default: the Python stdlib.")] = None,
+    glob: Annotated[Optional[str], typer.Option(help="File pattern when --data is a folder.")] = None,
+    capacity: Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")] = None,
+    route_every: Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")] = None,
+    route_offset: Annotated[Optional[int], typer.Option(help="Index of the first routed block.")] = None,
+    router_weight: Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")] = None,
+    predictor_hidden: Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")] = None,
+    dense: Annotated[Optional[bool], typer.Option("--dense", help="Train the dense twin (routing off).")] = None,
+    d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
+    n_layers: Annotated[Optional[int], typer.Option(help="Number of blocks.")] = None,
+    n_heads: Annotated[Optional[int], typer.Option(help="Attention heads.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Context length.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per micro-batch.")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per step.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
+    warmup: Annotated[Optional[int], typer.Option(help="Warm-up steps.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Optimiser steps.")] = None,
+    flops_budget: Annotated[Optional[float], typer.Option(
+        help="Stop after this many training FLOPs (overrides --max-steps).")] = None,
+    router_aux_weight: Annotated[Optional[float], typer.Option(help="Weight of the router's auxiliary BCE loss.")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Evaluate and checkpoint every N steps.")] = None,
+    eval_batches: Annotated[Optional[int], typer.Option(help="Validation batches per evaluation.")] = None,
+    log_every: Annotated[Optional[int], typer.Option(help="Plain progress line every N steps.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or mps.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 (autocast).")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile", help="torch.compile the model.")] = None,
+    out: Annotated[Optional[str], typer.Option(help="Run folder.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --out.")] = False,
+    keep: Annotated[Optional[int], typer.Option(help="Keep the newest N checkpoints.")] = None,
+    json_output: Json = False,
+) -> None:
+    """Train an MoD decoder (or its dense twin) on text; prints a summary table."""
+    flags = {k: v for k, v in locals().items()
+             if k not in ("preset", "config", "resume", "json_output") and v is not None}
+    from modcli.config import RunConfig, resolve_run_config
+    from modcli.train import train as run_training
+
+    base = preset or "tiny"
+    if resume and preset is None and config is None:
+        # Resume with the run's own configuration; flags given now still apply (and are checked).
+        from modcli.checkpoint import complete_checkpoints, read_config
+        run_dir = Path(out or RunConfig().train.out)
+        found = complete_checkpoints(run_dir)
+        if not found:
+            raise UserError(f"--resume: no complete checkpoint in {run_dir}")
+        saved = read_config(found[-1]).to_dict()
+        flags = {**saved["model"], **saved["data"], **saved["train"], **flags}
+        base = None
+    run_config = resolve_run_config(base, str(config) if config else None, {**flags, "resume": resume})
+    result = run_training(run_config, quiet=False)
+    if json_output:
+        from modcli.reporting import print_json
+        print_json(dataclasses.asdict(result))
+        return
+    from modcli.reporting import human, key_value_table
+    stdout.print(key_value_table("training summary" + (" (dense)" if result.dense else " (MoD)"), [
+        ("steps", str(result.steps)),
+        ("parameters", f"{result.parameters:,}"),
+        ("train loss", f"{result.train_loss:.4f}"),
+        ("validation loss", f"{result.val_loss:.4f}"),
+        ("validation bits/byte", f"{result.val_bits_per_byte:.4f}"),
+        ("tokens", f"{result.tokens:,}"),
+        ("training FLOPs", human(result.flops)),
+        ("wall time", f"{result.wall_time_s:.1f} s"),
+        ("tokens/s", f"{result.tokens_per_s:,.0f}"),
+        ("checkpoint", result.checkpoint),
+    ]))
