@@ -1,0 +1,118 @@
+"""Causal routing: cached decoding equals the full forward, causality, a cache that really shrinks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modcli.cache import DecoderCache
+from modcli.model import MoDDecoder
+from tests.conftest import tiny_model_config
+
+ATOL = 1e-4
+
+
+def _model(**overrides) -> MoDDecoder:
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config(**overrides)).eval()
+    with torch.no_grad():  # router biases near zero make about half the tokens pass: both branches get used
+        for block in model.blocks:
+            if block.router is not None:
+                block.router.bias.fill_(0.0)
+    return model
+
+
+@pytest.mark.parametrize("routing", ["router", "predictor"])
+@pytest.mark.parametrize("dense", [False, True])
+@torch.no_grad()
+def test_cached_decoding_equals_one_full_forward(routing, dense):
+    model = _model(route_every=0) if dense else _model()
+    tokens = torch.randint(0, 256, (3, 40))
+    full = model(tokens, routing)  # (B, T, V)
+    cache = DecoderCache.allocate(model.config, 3, 40, torch.device("cpu"))
+    prefill_len = 12
+    logits = [model(tokens[:, :prefill_len], routing, cache=cache)[:, -1]]
+    for t in range(prefill_len, 40):
+        logits.append(model.decode_step(tokens[:, t], cache, routing))
+    stepped = torch.stack(logits, dim=1)  # (B, T - prefill + 1, V)
+    torch.testing.assert_close(stepped, full[:, prefill_len - 1:], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_routed_cache_length_equals_the_number_of_processed_tokens():
+    model = _model()
+    tokens = torch.randint(0, 256, (2, 30))
+    _, records = model(tokens, "router", return_records=True)
+    cache = DecoderCache.allocate(model.config, 2, 30, torch.device("cpu"))
+    model(tokens[:, :1], "router", cache=cache)
+    for t in range(1, 30):
+        model.decode_step(tokens[:, t], cache, "router")
+    for record in records:
+        assert cache.layers[record.layer].lengths.tolist() == record.selection.counts.tolist()
+    for layer in range(model.config.n_layers):
+        if not model.config.is_routed(layer):
+            assert cache.layers[layer].lengths.tolist() == [30, 30]
+    assert cache.stored_bytes() < cache.dense_equivalent_bytes()
+
+
+@torch.no_grad()
+def test_a_skipped_token_does_no_attention_or_mlp_work():
+    model = _model()
+    routed = model.blocks[model.config.routed_layers()[0]]
+    calls = {"attn": 0, "mlp": 0}
+    routed.attn.register_forward_hook(lambda *a: calls.__setitem__("attn", calls["attn"] + 1))
+    routed.mlp.register_forward_hook(lambda *a: calls.__setitem__("mlp", calls["mlp"] + 1))
+    cache = DecoderCache.allocate(model.config, 1, 8, torch.device("cpu"))
+    model(torch.tensor([[1, 2, 3]]), "router", cache=cache)
+    length_before = cache.layers[routed.layer].lengths.item()
+    with torch.no_grad():
+        routed.router.bias.fill_(-1e4)  # the router now skips every token
+    calls.update(attn=0, mlp=0)
+    model.decode_step(torch.tensor([4]), cache, "router")
+    assert calls == {"attn": 0, "mlp": 0}
+    assert cache.layers[routed.layer].lengths.item() == length_before
+    with torch.no_grad():
+        routed.router.bias.fill_(1e4)  # ...and now processes it: the counter can move
+    model.decode_step(torch.tensor([5]), cache, "router")
+    assert calls["mlp"] == 1
+    assert cache.layers[routed.layer].lengths.item() == length_before + 1
+
+
+@torch.no_grad()
+def test_causal_modes_do_not_see_the_future_and_topk_does():
+    model = _model()
+    tokens = torch.randint(0, 256, (2, 32))
+    changed = tokens.clone()
+    t = 15
+    changed[:, t + 1:] = torch.randint(0, 256, (2, 32 - t - 1))
+    for routing in ("router", "predictor"):
+        torch.testing.assert_close(model(tokens, routing)[:, :t + 1], model(changed, routing)[:, :t + 1],
+                                   atol=1e-5, rtol=0)
+    # Top-k over the whole sequence lets later tokens change earlier logits.
+    topk_diff = (model(tokens, "topk")[:, :t + 1] - model(changed, "topk")[:, :t + 1]).abs().max()
+    assert topk_diff > 1e-4
+
+
+@torch.no_grad()
+def test_batch_decoding_with_different_prompt_lengths_matches_single_sequences():
+    from modcli.generate import GenerateConfig, generate
+
+    model = _model()
+    prompts = ["def f(x):", "import os\nprint", "a"]
+    config = GenerateConfig(checkpoint="-", prompts=prompts, max_new_tokens=12, temperature=0, device="cpu")
+    batched = generate(config, model=model)
+    for i, prompt in enumerate(prompts):
+        single = generate(GenerateConfig(checkpoint="-", prompts=[prompt], max_new_tokens=12, temperature=0,
+                                         device="cpu"), model=model)
+        assert single.texts[0] == batched.texts[i]
+    assert batched.kv_cache_bytes < batched.dense_kv_cache_bytes
+
+
+@torch.no_grad()
+def test_decoding_with_topk_routing_is_refused():
+    from modcli.errors import UserError
+
+    model = _model()
+    cache = DecoderCache.allocate(model.config, 1, 4, torch.device("cpu"))
+    with pytest.raises(UserError, match="topk"):
+        model.decode_step(torch.tensor([1]), cache, "topk")
