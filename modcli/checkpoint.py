@@ -38,9 +38,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer: torch.optim.Optimizer | None,
+def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state: dict[str, Any] | None,
                     config: RunConfig, state: dict[str, Any], keep: int) -> Path:
-    """Write step-NNNNNNNN/ atomically, then delete all but the newest `keep` complete checkpoints."""
+    """Write step-NNNNNNNN/ atomically, then delete all but the newest `keep` complete checkpoints.
+
+    `optimizer_state` is keyed by parameter name (torch.distributed.checkpoint's full state dict), so it loads
+    into any world size and parallel mode.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:08d}"
     tmp = run_dir / f".tmp-{final.name}-{os.getpid()}"
@@ -48,8 +52,8 @@ def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer: torc
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    if optimizer_state is not None:
+        torch.save(optimizer_state, tmp / "optimizer.pt")
     (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     for child in tmp.iterdir():
@@ -118,9 +122,12 @@ def load_weights(model: MoDDecoder, checkpoint: Path) -> None:
         raise UserError(f"{checkpoint}: weights do not match the config (missing {missing}, unexpected {unexpected})")
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-    state = torch.load(checkpoint / "optimizer.pt", weights_only=True, map_location="cpu")
-    optimizer.load_state_dict(state)
+def read_optimizer_state(checkpoint: Path) -> dict[str, Any]:
+    """The optimizer's full state dict, keyed by parameter name (loaded with weights_only=True)."""
+    path = checkpoint / "optimizer.pt"
+    if not path.is_file():
+        raise UserError(f"{checkpoint}: no optimizer.pt to resume from")
+    return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def load_model_from(path: str | Path, device: str | torch.device = "cpu") -> tuple[MoDDecoder, RunConfig, Path]:

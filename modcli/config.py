@@ -157,7 +157,7 @@ class TrainConfig:
     """AdamW weight decay on matrices (not on norms, biases or embeddings)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
-    router_aux_weight: float = 0.01
+    router_aux_weight: float = 0.1
     """Weight of the auxiliary BCE loss that teaches the router's sign to match top-k (causal decoding)."""
     eval_every: int = 100
     """Evaluate and save a checkpoint every this many steps."""
@@ -179,6 +179,8 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in --out."""
     keep: int = 3
     """Keep the newest N checkpoints."""
+    parallel: str = "ddp"
+    """Under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard per block)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "log_every", "keep"):
@@ -192,6 +194,7 @@ class TrainConfig:
         require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         require(self.router_aux_weight >= 0, f"--router-aux-weight must be >= 0, got {self.router_aux_weight}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        require(self.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {self.parallel!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 

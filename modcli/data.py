@@ -133,17 +133,25 @@ def _tail_split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[
 
 
 class BatchSampler:
-    """Random contiguous windows of seq_len + 1 tokens from a seeded generator whose state is checkpointed."""
+    """Random contiguous windows of seq_len + 1 tokens from a seeded generator whose state is checkpointed.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+    With several ranks, every rank draws the same global batch (batch_size x world_size windows) and keeps its
+    own slice: ranks see different data, deterministic from seed and rank, and the run sees exactly the data
+    of a single process with batch_size x world_size, whatever the world size it resumes with.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
         self.batch_size = batch_size
+        self.rank, self.world_size = rank, world_size
         self.rng = np.random.Generator(np.random.PCG64(seed))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> inputs (B, T) and targets (B, T) as int64, on the CPU."""
-        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        """-> inputs (B, T) and targets (B, T) as int64, on the CPU: this rank's slice of the global batch."""
+        starts = self.rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size * self.world_size)
+        starts = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         windows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]  # (B, T+1)
         batch = torch.from_numpy(windows.astype(np.int64))
         return batch[:, :-1], batch[:, 1:]

@@ -1,4 +1,8 @@
-"""`modcli train`: AdamW with warm-up and cosine decay, checkpoints, resume, metrics and a FLOP budget."""
+"""`modcli train`: AdamW with warm-up and cosine decay, checkpoints, resume, metrics and a FLOP budget.
+
+Runs as one process, or under `torchrun` as DDP / FSDP2 (see modcli/distributed.py); rank 0 alone prints,
+writes metrics and writes checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,33 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
+from modcli import distributed
 from modcli.checkpoint import (
     complete_checkpoints,
-    load_optimizer,
     load_weights,
     read_config,
+    read_optimizer_state,
     read_state,
     save_checkpoint,
 )
 from modcli.config import RunConfig, TrainConfig
 from modcli.data import BatchSampler, Corpus, evaluation_batches, load_corpus
+from modcli.distributed import DistributedContext
 from modcli.errors import TrainingDiverged, UserError
 from modcli.flops import training_flops
 from modcli.losses import bits_per_byte, lm_loss, routing_agreement, routing_losses
 from modcli.model import MoDDecoder
 from modcli.reporting import MetricsLog, StepProgress, stderr_console
-from modcli.runtime import autocast, resolve_device, seed_everything
+from modcli.runtime import autocast, seed_everything
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass
@@ -44,6 +58,7 @@ class TrainResult:
     tokens_per_s: float
     dense: bool
     parameters: int
+    world_size: int
 
 
 def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -55,8 +70,8 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
     return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: MoDDecoder, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices of the blocks only (not norms, biases, embeddings or routers' biases)."""
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on the blocks' matrices only (not norms, biases or the embedding)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         (decay if param.ndim == 2 and "embed" not in name else no_decay).append(param)
@@ -64,29 +79,37 @@ def make_optimizer(model: MoDDecoder, config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
 
 
-def total_steps(config: RunConfig) -> int:
+def step_flops(config: RunConfig, world_size: int = 1) -> int:
+    """Training FLOPs of one optimiser step over the global batch."""
+    tc = config.train
+    return training_flops(config.model, config.model.seq_len) * tc.batch_size * tc.grad_accum * world_size
+
+
+def total_steps(config: RunConfig, world_size: int = 1) -> int:
     """--max-steps, or with --flops-budget the steps that budget pays for (the budget wins)."""
     if config.train.flops_budget:
-        return max(1, math.ceil(config.train.flops_budget / step_flops(config)))
+        return max(1, math.ceil(config.train.flops_budget / step_flops(config, world_size)))
     return config.train.max_steps
 
 
-def step_flops(config: RunConfig) -> int:
-    return training_flops(config.model, config.model.seq_len) * config.train.batch_size * config.train.grad_accum
-
-
 @torch.no_grad()
-def validation_loss(model: MoDDecoder, corpus: Corpus, config: RunConfig, device: torch.device,
+def validation_loss(model: torch.nn.Module, corpus: Corpus, config: RunConfig, context: DistributedContext,
                     routing: str = "topk") -> float:
+    """Mean loss over the fixed validation windows of the global batch; each rank evaluates its slice."""
+    tc, device = config.train, context.device
     model.eval()
     losses = []
-    for inputs, targets in evaluation_batches(corpus.val, config.model.seq_len, config.train.batch_size,
-                                              config.train.eval_batches):
-        with autocast(device, config.train.dtype):
-            logits = model(inputs.to(device), routing)
-        losses.append(lm_loss(logits, targets.to(device)).item())
+    for inputs, targets in evaluation_batches(corpus.val, config.model.seq_len, tc.batch_size * context.world_size,
+                                              tc.eval_batches):
+        mine = slice(context.rank * tc.batch_size, (context.rank + 1) * tc.batch_size)
+        with autocast(device, tc.dtype):
+            logits = model(inputs[mine].to(device), routing)
+        losses.append(lm_loss(logits, targets[mine].to(device)))
     model.train()
-    return sum(losses) / len(losses)
+    module = getattr(model, "_orig_mod", model)
+    if hasattr(module, "reshard"):  # FSDP2 keeps the root unsharded after a no-grad forward; undo that
+        module.reshard()
+    return distributed.mean_across_ranks(torch.stack(losses).mean(), context).item()
 
 
 def _check_resumable(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
@@ -100,86 +123,133 @@ def _check_resumable(saved: RunConfig, config: RunConfig, checkpoint: Path) -> N
                 )
 
 
-def _rng_state() -> dict:
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
-    return state
+def _encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
 
 
-def _load_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(
-            [torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in state["cuda"]])
+def _decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-def train(config: RunConfig, quiet: bool = False) -> TrainResult:
-    """Train an MoD decoder (or its dense twin) as `config` says; returns the summary of the run."""
+@dataclass
+class _Prepared:
+    """Everything a training run holds between steps."""
+
+    corpus: Corpus
+    model: MoDDecoder
+    wrapped: torch.nn.Module
+    optimizer: torch.optim.AdamW
+    sampler: BatchSampler
+    step: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+    elapsed_before: float = 0.0
+    last_checkpoint: Path | None = None
+
+
+def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
+    """Checks, data, model, optimizer and (with --resume) the newest checkpoint's state."""
     tc, mc = config.train, config.model
-    device = resolve_device(tc.device)
     run_dir = Path(tc.out)
     existing = complete_checkpoints(run_dir)
     if tc.resume and not existing:
         raise UserError(f"--resume: no complete checkpoint in {run_dir}")
     if not tc.resume and existing:
         raise UserError(f"--out {run_dir} already holds checkpoints; pass --resume to continue or pick another --out")
-    if tc.dtype == "float16" and device.type == "cpu":
-        raise UserError("--dtype float16 is not supported for training on the CPU; use bfloat16 or float32")
+    if tc.dtype == "float16" and (context.device.type == "cpu" or tc.parallel == "fsdp"):
+        raise UserError("--dtype float16 needs a GPU and --parallel ddp; use bfloat16 or float32")
+    if tc.compile and context.enabled and tc.parallel == "fsdp":
+        raise UserError("--compile with --parallel fsdp is not supported yet; use --parallel ddp")
 
     corpus = load_corpus(config.data, mc.seq_len)
-    seed_everything(tc.seed)
-    model = MoDDecoder(mc).to(device)
-    optimizer = make_optimizer(model, tc)
-    sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed)
-    scaler = torch.amp.GradScaler(device.type, enabled=tc.dtype == "float16")
-
-    step, tokens, flops_spent, elapsed_before = 0, 0, 0.0, 0.0
-    last_checkpoint = None
+    seed_everything(tc.seed)  # identical initial weights on every rank
+    model = MoDDecoder(mc)
+    resume_state = None
     if tc.resume:
-        last_checkpoint = existing[-1]
-        _check_resumable(read_config(last_checkpoint), config, last_checkpoint)
-        load_weights(model, last_checkpoint)
-        load_optimizer(optimizer, last_checkpoint)
-        state = read_state(last_checkpoint)
-        step, tokens, flops_spent = state["step"], state["tokens"], state["flops"]
-        elapsed_before = state["elapsed_s"]
-        sampler.load_state(state["sampler"])
-        _load_rng_state(state["rng"])
+        _check_resumable(read_config(existing[-1]), config, existing[-1])
+        load_weights(model, existing[-1])
+        resume_state = read_state(existing[-1])
+    model = model.to(context.device)
+    wrapped = distributed.wrap_model(model, context, tc.parallel)
+    optimizer = make_optimizer(model, tc)
+    sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
+    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler)
+    torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
+    if resume_state is not None:
+        set_optimizer_state_dict(model, optimizer, read_optimizer_state(existing[-1]),
+                                 options=StateDictOptions(full_state_dict=True))
+        prepared.step, prepared.tokens = resume_state["step"], resume_state["tokens"]
+        prepared.flops, prepared.elapsed_before = resume_state["flops"], resume_state["elapsed_s"]
+        prepared.last_checkpoint = existing[-1]
+        sampler.load_state(resume_state["sampler"])
+        if context.is_main and resume_state.get("world_size", 1) == context.world_size:
+            torch.set_rng_state(_decode_rng(resume_state["rng"]["torch"]))
+    return prepared
 
-    steps = total_steps(config)
-    per_step_flops = step_flops(config)
-    forward = torch.compile(model) if tc.compile else model
-    metrics = MetricsLog(run_dir, resume_step=step if tc.resume else None)
+
+def train(config: RunConfig, quiet: bool = False) -> TrainResult:
+    """Train an MoD decoder (or its dense twin) as `config` says; returns the summary of the run."""
+    context = distributed.setup(config.train.device)
+    try:
+        prepared, error = None, None
+        try:
+            prepared = _prepare(config, context)
+        except UserError as exc:
+            error = exc
+        distributed.agree_on_errors(context, error)
+        return _run(config, context, prepared, quiet or not context.is_main)
+    finally:
+        distributed.teardown(context)
+
+
+def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: bool) -> TrainResult:
+    tc, mc = config.train, config.model
+    device, run_dir = context.device, Path(tc.out)
+    steps = total_steps(config, context.world_size)
+    per_step_flops = step_flops(config, context.world_size)
+    global_batch = tc.batch_size * tc.grad_accum * context.world_size
+    forward = torch.compile(run.wrapped) if tc.compile else run.wrapped
+    scaler = torch.amp.GradScaler(device.type, enabled=tc.dtype == "float16")
+    metrics = MetricsLog(run_dir, resume_step=run.step if tc.resume else None) if context.is_main else None
     if not quiet:
         kind = "dense" if mc.dense else f"MoD capacity {mc.capacity} on blocks {mc.routed_layers()}"
+        parallel = f", {context.world_size} ranks ({tc.parallel})" if context.enabled else ""
         stderr_console.print(
-            f"training {model.num_parameters():,} parameters ({kind}) on {corpus.description}, device {device}, "
-            f"{steps} steps of {tc.batch_size * tc.grad_accum} x {mc.seq_len} tokens")
-    progress = StepProgress(steps, step, tc.log_every, quiet)
-
-    def checkpoint_state() -> dict:
-        return {"step": step, "tokens": tokens, "flops": flops_spent, "elapsed_s": elapsed_before + elapsed(),
-                "sampler": sampler.state(), "rng": _rng_state()}
+            f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
+            f"{device}{parallel}; {steps} steps, global batch {global_batch} = {tc.batch_size} x {tc.grad_accum} "
+            f"x {context.world_size} sequences of {mc.seq_len} tokens", highlight=False)
+    progress = StepProgress(steps, run.step, tc.log_every, quiet)
 
     session_start = time.perf_counter()
-    session_tokens = 0
-    train_time = 0.0
-
-    def elapsed() -> float:
-        return time.perf_counter() - session_start
-
+    session_tokens, train_time = 0, 0.0
     train_loss = val_loss = float("nan")
-    model.train()
+
+    def save() -> Path | None:
+        """Gather the full state (a collective under FSDP); rank 0 writes it."""
+        optimizer_state = get_optimizer_state_dict(run.model, run.optimizer, options=FULL_STATE)
+        model_state = get_model_state_dict(run.model, options=FULL_STATE) if context.enabled else None
+        if not context.is_main:
+            return run.last_checkpoint
+        to_save = run.model
+        if model_state is not None:  # sharded or replicated across ranks: save a plain CPU copy
+            to_save = MoDDecoder(mc)
+            to_save.load_state_dict(model_state)
+        state = {"step": run.step, "tokens": run.tokens, "flops": run.flops, "world_size": context.world_size,
+                 "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
+                 "sampler": run.sampler.state(), "rng": {"torch": _encode_rng(torch.get_rng_state())}}
+        return save_checkpoint(run_dir, run.step, to_save, optimizer_state, config, state, tc.keep)
+
+    run.wrapped.train()
     try:
-        while step < steps:
+        while run.step < steps:
             step_start = time.perf_counter()
-            lr = learning_rate(step + 1, steps, tc)
-            for group in optimizer.param_groups:
+            lr = learning_rate(run.step + 1, steps, tc)
+            for group in run.optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=device)
-            for _ in range(tc.grad_accum):
-                inputs, targets = (t.to(device, non_blocking=True) for t in sampler.next())
+            for micro in range(tc.grad_accum):
+                distributed.gradient_sync(run.wrapped, micro == tc.grad_accum - 1)
+                inputs, targets = (t.to(device, non_blocking=True) for t in run.sampler.next())
                 with autocast(device, tc.dtype):
                     logits, records = forward(inputs, "topk", return_records=True)
                     loss = lm_loss(logits, targets)
@@ -187,53 +257,56 @@ def train(config: RunConfig, quiet: bool = False) -> TrainResult:
                     total = loss + tc.router_aux_weight * router_bce.to(device) + predictor_bce.to(device)
                 scaler.scale(total / tc.grad_accum).backward()
                 loss_sum += loss.detach()
-            train_loss = (loss_sum / tc.grad_accum).item()
+            train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
             if not math.isfinite(train_loss):
-                where = f"; the last good checkpoint is {last_checkpoint}" if last_checkpoint else ""
-                raise TrainingDiverged(f"training diverged: the loss became {train_loss} at step {step + 1}{where}")
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
-            scaler.step(optimizer)
+                where = f"; the last good checkpoint is {run.last_checkpoint}" if run.last_checkpoint else ""
+                raise TrainingDiverged(f"training diverged: the loss became {train_loss} at step {run.step + 1}{where}")
+            scaler.unscale_(run.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip or float("inf"))
+            scaler.step(run.optimizer)
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            step_tokens = tc.batch_size * tc.grad_accum * mc.seq_len
-            tokens += step_tokens
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            step_tokens = global_batch * mc.seq_len
+            run.tokens += step_tokens
             session_tokens += step_tokens
-            flops_spent += per_step_flops
+            run.flops += per_step_flops
             train_time += time.perf_counter() - step_start
 
-            record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                      "tokens": tokens, "flops": flops_spent, "elapsed_s": elapsed_before + elapsed(),
+            last_step = run.step == steps or bool(tc.flops_budget and run.flops >= tc.flops_budget)
+            evaluate_now = run.step % tc.eval_every == 0 or last_step
+            record = {"step": run.step, "loss": train_loss, "lr": lr,
+                      "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                      "tokens": run.tokens, "flops": run.flops,
+                      "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                       "tokens_per_s": session_tokens / max(train_time, 1e-9)}
             if records:
                 record["router_bce"] = router_bce.item()
                 record["predictor_bce"] = predictor_bce.item()
-            last_step = step == steps or (tc.flops_budget and flops_spent >= tc.flops_budget)
-            if step % tc.log_every == 0 or last_step:
-                if records:
+                if run.step % tc.log_every == 0 or last_step:
                     record["routing"] = routing_agreement(records)
-            if step % tc.eval_every == 0 or last_step:
-                val_loss = validation_loss(model, corpus, config, device)
+            if evaluate_now:
+                val_loss = validation_loss(forward, run.corpus, config, context)
                 record["val_loss"] = val_loss
                 record["val_bits_per_byte"] = bits_per_byte(val_loss)
-            metrics.write(record)
-            progress.update(step, f"loss {train_loss:.3f} tok/s {record['tokens_per_s']:.0f}")
-            if step % tc.eval_every == 0 or last_step:
-                last_checkpoint = save_checkpoint(run_dir, step, model, optimizer, config, checkpoint_state(),
-                                                  tc.keep)
+            if metrics is not None:
+                metrics.write(record)
+            progress.update(run.step, f"loss {train_loss:.3f} tok/s {record['tokens_per_s']:.0f}")
+            if evaluate_now:
+                run.last_checkpoint = save()
             if last_step:
                 break
     finally:
         progress.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
 
-    if last_checkpoint is None or not math.isfinite(val_loss):
-        # Nothing left to train (resumed at the end): evaluate what is there.
-        val_loss = validation_loss(model, corpus, config, device)
+    if not math.isfinite(val_loss):  # nothing left to train (resumed at the end): evaluate what is there
+        val_loss = validation_loss(forward, run.corpus, config, context)
     return TrainResult(
-        run_dir=str(run_dir), checkpoint=str(last_checkpoint), steps=step, train_loss=train_loss,
-        val_loss=val_loss, val_bits_per_byte=bits_per_byte(val_loss), tokens=tokens, flops=flops_spent,
-        wall_time_s=elapsed_before + elapsed(), tokens_per_s=session_tokens / max(train_time, 1e-9),
-        dense=mc.dense, parameters=model.num_parameters(),
+        run_dir=str(run_dir), checkpoint=str(run.last_checkpoint), steps=run.step, train_loss=train_loss,
+        val_loss=val_loss, val_bits_per_byte=bits_per_byte(val_loss), tokens=run.tokens, flops=run.flops,
+        wall_time_s=run.elapsed_before + time.perf_counter() - session_start,
+        tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense,
+        parameters=run.model.num_parameters(), world_size=context.world_size,
     )

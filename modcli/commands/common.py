@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Annotated
 
 import typer
@@ -26,7 +27,13 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except (UserError, TrainingDiverged) as exc:
-            stderr.print(f"[red]error: {exc}[/]", highlight=False, soft_wrap=True)
+            if is_main_process():  # under torchrun every rank fails alike; one message is enough
+                stderr.print(f"[red]error: {exc}[/]", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
 
     return wrapper
+
+
+def is_main_process() -> bool:
+    """Rank 0 under torchrun, or a plain process."""
+    return int(os.environ.get("RANK", "0")) == 0

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from modcli.commands.common import Json, stdout, user_errors
+from modcli.commands.common import Json, is_main_process, stdout, user_errors
 from modcli.errors import UserError
 
 
@@ -47,6 +47,7 @@ def train(
     out: Annotated[Optional[str], typer.Option(help="Run folder.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --out.")] = False,
     keep: Annotated[Optional[int], typer.Option(help="Keep the newest N checkpoints.")] = None,
+    parallel: Annotated[Optional[str], typer.Option(help="Under torchrun: ddp or fsdp (FSDP2).")] = None,
     json_output: Json = False,
 ) -> None:
     """Train an MoD decoder (or its dense twin) on text; prints a summary table."""
@@ -68,6 +69,8 @@ def train(
         base = None
     run_config = resolve_run_config(base, str(config) if config else None, {**flags, "resume": resume})
     result = run_training(run_config, quiet=False)
+    if not is_main_process():
+        return
     if json_output:
         from modcli.reporting import print_json
         print_json(dataclasses.asdict(result))
