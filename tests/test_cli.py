@@ -139,3 +139,11 @@ def test_predictor_routing_needs_a_predictor(runner, tmp_path, corpus_file):
     for args in (["eval", str(out), "--routing", "predictor"], ["generate", str(out), "--routing", "predictor"]):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and "without a predictor" in result.stderr
+
+
+def test_eval_of_a_dense_model_reports_one_causal_row(runner, trained_dense_run):
+    result = runner.invoke(app, ["eval", str(trained_dense_run), "--batches", "1", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["results"]
+    assert [(r["routing"], r["causal"]) for r in rows] == [("dense", True)]
+    assert rows[0]["processed_fraction"] == {}
