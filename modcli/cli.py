@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from modcli.commands import evaluate, generate, train
+from modcli.commands import export as export_command
 
 app = typer.Typer(
     help="Mixture-of-Depths decoders: train, evaluate, generate, profile.",
@@ -13,6 +14,7 @@ app = typer.Typer(
 app.command("train")(train.train)
 app.command("eval")(evaluate.eval_command)
 app.command("generate")(generate.generate)
+app.command("export")(export_command.export)
 
 
 def main() -> None:

@@ -1,0 +1,19 @@
+"""modcli_runtime: run a `modcli export` bundle with numpy and onnxruntime only (no PyTorch, no modcli).
+
+    from modcli_runtime import load_bundle
+    bundle = load_bundle("bundles/latest")
+    out = bundle.generate(["def "], max_new_tokens=50, temperature=0)
+    print(out.texts[0])
+
+Command line: `modcli-run BUNDLE --prompt "def "` (or `python -m modcli_runtime`).
+"""
+
+from __future__ import annotations
+
+from modcli_runtime.bench import time_bundle
+from modcli_runtime.bundle import Bundle, BundleError, CacheSpec, load_bundle, read_manifest
+from modcli_runtime.generate import Generation, Utf8Stream, generate_tokens, sample
+
+__version__ = "0.1.0"
+__all__ = ["Bundle", "BundleError", "CacheSpec", "Generation", "Utf8Stream", "generate_tokens", "load_bundle",
+           "read_manifest", "sample", "time_bundle", "__version__"]

@@ -1,0 +1,4 @@
+from modcli_runtime.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""A `modcli export` bundle on disk: manifest.json, config.json and the ONNX graphs, run through onnxruntime.
+
+Only numpy and onnxruntime are imported here (never torch or modcli), so a bundle runs where PyTorch is not
+installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "modcli-bundle"
+FORMAT_VERSION = 1
+PROVIDERS = ("auto", "cpu", "cuda")
+ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class BundleError(Exception):
+    """The bundle is missing, damaged, invalid or cannot run with the asked provider (exit code 2)."""
+
+    exit_code = 2
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    folder = Path(path)
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise BundleError(f"{folder} is not a modcli export bundle (no manifest.json)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{manifest_path}: unreadable manifest ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise BundleError(f"{manifest_path}: not a {FORMAT} manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise BundleError(f"{manifest_path}: format version {manifest.get('format_version')} is newer than this "
+                          f"runtime ({FORMAT_VERSION}); upgrade modcli_runtime")
+    return manifest
+
+
+def session_providers(provider: str) -> list[str]:
+    """--provider -> the onnxruntime execution providers to ask for, in order of preference."""
+    import onnxruntime as ort
+
+    if provider not in PROVIDERS:
+        raise BundleError(f"--provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+    available = ort.get_available_providers()
+    if provider == "cpu":
+        return ["CPUExecutionProvider"]
+    if provider == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise BundleError("--provider cuda: this onnxruntime build has no CUDAExecutionProvider")
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def create_session(path: Path, providers: list[str], strict_provider: str | None = None, threads: int = 0):
+    """An onnxruntime session; with `strict_provider`, a BundleError unless that provider really runs it.
+
+    `threads`: intra-op threads of the CPU provider (0 = onnxruntime's default, one per core).
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: the CUDA provider's fallback warning is reported by us
+    options.intra_op_num_threads = threads
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own exception types (NOT_IMPLEMENTED, INVALID_GRAPH, ...)
+        raise BundleError(f"onnxruntime cannot load {path.name} with {providers[0]}: {exc}") from None
+    if strict_provider is not None and strict_provider not in session.get_providers():
+        raise BundleError(f"{strict_provider} is not usable on this machine (onnxruntime fell back to "
+                          f"{session.get_providers()[0]})")
+    return session
+
+
+@dataclass
+class CacheSpec:
+    """The decode graph's KV cache: one (B, H, slots, hd) pair and one (B,) length vector per layer."""
+
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    dtype: str
+    routed_layers: list[int]
+    capacity: tuple[int, int]
+
+    @classmethod
+    def from_manifest(cls, decode: dict[str, Any]) -> CacheSpec:
+        cache = decode["cache"]
+        return cls(cache["n_layers"], cache["n_heads"], cache["head_dim"], cache["dtype"],
+                   list(cache["routed_layers"]), tuple(cache["capacity"]))
+
+    def initial_slots(self, layer: int, max_tokens: int) -> int:
+        """Dense layers hold every token; routed ones start at twice the top-k share and grow when full."""
+        if layer not in self.routed_layers:
+            return max_tokens
+        num, den = self.capacity
+        return min(max_tokens, max(16, 2 * max(1, max_tokens * num // den)))
+
+    def allocate(self, batch: int, max_tokens: int) -> dict[str, np.ndarray]:
+        dtype = NUMPY_DTYPES[self.dtype]
+        feeds: dict[str, np.ndarray] = {}
+        for layer in range(self.n_layers):
+            shape = (batch, self.n_heads, self.initial_slots(layer, max_tokens), self.head_dim)
+            feeds[f"keys.{layer}"] = np.zeros(shape, dtype=dtype)
+            feeds[f"values.{layer}"] = np.zeros(shape, dtype=dtype)
+            feeds[f"lengths.{layer}"] = np.zeros(batch, dtype=np.int64)
+        return feeds
+
+    def ensure_room(self, feeds: dict[str, np.ndarray]) -> None:
+        """Grow a layer's buffers (doubling) when some row's next slot would not fit; the graph writes at lengths."""
+        for layer in range(self.n_layers):
+            keys = feeds[f"keys.{layer}"]
+            needed = int(feeds[f"lengths.{layer}"].max()) + 1
+            if needed <= keys.shape[2]:
+                continue
+            grow = max(needed, 2 * keys.shape[2]) - keys.shape[2]
+            pad = np.zeros((*keys.shape[:2], grow, keys.shape[3]), dtype=keys.dtype)
+            feeds[f"keys.{layer}"] = np.concatenate([keys, pad], axis=2)
+            feeds[f"values.{layer}"] = np.concatenate([feeds[f"values.{layer}"], pad], axis=2)
+
+
+class Bundle:
+    """A loaded bundle: `decode_step` (causal routing, KV cache), `forward` (top-k, non-causal), `generate`."""
+
+    def __init__(self, path: str | Path, provider: str = "cpu", verify: bool = True, allow_invalid: bool = False,
+                 threads: int = 0) -> None:
+        if threads < 0:
+            raise BundleError(f"--threads must be >= 0, got {threads}")
+        self.path = Path(path)
+        self.threads = threads
+        self.manifest = read_manifest(self.path)
+        if not self.manifest.get("valid", False) and not allow_invalid:
+            raise BundleError(f"{self.path}: the bundle failed validation at export time (manifest valid=false); "
+                              "pass --allow-invalid to run it anyway")
+        if verify:
+            self.verify()
+        self.model = self.manifest["model"]
+        self.vocab_size = int(self.model["vocab_size"])
+        self.providers = session_providers(provider)
+        self._strict = ORT_PROVIDERS[provider] if provider in ORT_PROVIDERS else None
+        self._sessions: dict[str, Any] = {}
+        graphs = self.manifest.get("graphs", {})
+        self.forward_info = graphs.get("forward")
+        self.decode_info = graphs.get("decode")
+        if self.decode_info is not None:
+            self.cache_spec = CacheSpec.from_manifest(self.decode_info)
+            self.decode_inputs = [spec["name"] for spec in self.decode_info["inputs"]]
+            self.decode_outputs = [spec["name"] for spec in self.decode_info["outputs"]]
+
+    def verify(self) -> None:
+        """Check every file listed in the manifest against its sha256."""
+        for name, entry in self.manifest.get("files", {}).items():
+            file = self.path / name
+            if not file.is_file():
+                raise BundleError(f"{self.path}: {name} is missing")
+            if sha256_of(file) != entry["sha256"]:
+                raise BundleError(f"{self.path}: {name} does not match its sha256 in manifest.json (damaged bundle)")
+
+    def session(self, graph: str):
+        if graph not in self._sessions:
+            info = self.manifest["graphs"].get(graph)
+            if info is None or info.get("kind") != "onnx":
+                raise BundleError(f"{self.path}: no ONNX {graph} graph in this bundle")
+            self._sessions[graph] = create_session(self.path / info["file"], self.providers, self._strict, self.threads)
+        return self._sessions[graph]
+
+    @property
+    def active_provider(self) -> str:
+        return self.session("decode" if self.decode_info is not None else "forward").get_providers()[0]
+
+    def decode_step(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One token per row: feeds `tokens`, `positions` and the cache -> logits, next cache, processed flags."""
+        outputs = self.session("decode").run(self.decode_outputs, {name: feeds[name] for name in self.decode_inputs})
+        return dict(zip(self.decode_outputs, outputs, strict=True))
+
+    def forward(self, tokens: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """tokens (B, T) int64 -> logits (B, T, V) and each routed block's selected positions (B, k).
+
+        This graph uses the training-time top-k routing, which sees the whole sequence (non-causal): use it to
+        score text, not to decode.
+        """
+        session = self.session("forward")
+        outputs = session.run(None, {session.get_inputs()[0].name: np.asarray(tokens, dtype=np.int64)})
+        return outputs[0], outputs[1:]
+
+    def generate(self, prompts: list[str | bytes | list[int]], **options):
+        """Generate from each prompt (one batch); see modcli_runtime.generate.generate_tokens for the options."""
+        from modcli_runtime.generate import generate_tokens
+
+        self.session("decode")  # a clear error when the bundle has no ONNX decode graph
+        return generate_tokens(self.decode_step, self.cache_spec, prompts, vocab_size=self.vocab_size, **options)
+
+
+def load_bundle(path: str | Path, provider: str = "cpu", verify: bool = True, allow_invalid: bool = False,
+                threads: int = 0) -> Bundle:
+    """Open a bundle: checks its manifest (and the files' sha256 with `verify`); sessions start on first use."""
+    return Bundle(path, provider=provider, verify=verify, allow_invalid=allow_invalid, threads=threads)

@@ -1,0 +1,161 @@
+"""Decoding with the exported decode-step graph: prompt, KV cache, sampling, streaming. numpy only.
+
+The prompt is fed through the same decode graph one token per step, so the cache is filled by exactly the
+causal router/predictor decisions `modcli generate` makes (its PyTorch prefill is one causal forward; the two
+agree to float rounding). Every row of a batch moves one token per step: a row still reading its prompt feeds
+its next prompt byte, a row that has finished its prompt feeds the token it sampled last, so prompts of
+different lengths share one batch.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from modcli_runtime.bundle import BundleError, CacheSpec
+
+StepFunction = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> np.ndarray:
+    """logits (B, V) -> next tokens (B,): greedy at temperature 0, else softmax sampling after top-k / top-p."""
+    if temperature == 0:
+        return logits.argmax(axis=-1)
+    scaled = logits.astype(np.float64) / temperature
+    if top_k:
+        kth = np.sort(scaled, axis=-1)[:, -min(top_k, scaled.shape[-1])][:, None]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    if top_p < 1.0:
+        order = np.argsort(-scaled, axis=-1)
+        sorted_logits = np.take_along_axis(scaled, order, axis=-1)
+        probs = _softmax(sorted_logits)
+        drop = np.cumsum(probs, axis=-1) - probs >= top_p  # keep the token that crosses p
+        np.put_along_axis(scaled, order, np.where(drop, -np.inf, sorted_logits), axis=-1)
+    probs = _softmax(scaled)
+    uniform = rng.random((probs.shape[0], 1))
+    return np.minimum((probs.cumsum(axis=-1) < uniform).sum(axis=-1), probs.shape[-1] - 1)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@dataclass
+class Generation:
+    """What one call of `generate_tokens` produced."""
+
+    tokens: list[list[int]]
+    """New tokens per prompt."""
+    texts: list[str]
+    """The new tokens of each prompt decoded as UTF-8 (bytes that are not valid UTF-8 become U+FFFD)."""
+    steps: int
+    """Decode-graph calls (prompt and generated tokens of the longest row)."""
+    first_token_s: float
+    """Seconds until every row has read its prompt and sampled its first token."""
+    total_s: float
+    tokens_per_s: float
+    """New tokens (all rows) per second of the whole call."""
+    processed_tokens: dict[int, list[int]]
+    """Per routed layer, per row: tokens the layer processed among those the row fed (prompt + generated)."""
+    fed_tokens: list[int]
+    """Per row: tokens fed through the graph (prompt + all generated tokens but the last)."""
+    logits: list[np.ndarray] | None = field(default=None, repr=False)
+    """With `return_logits`: per row, (max_new_tokens, V) logits each new token was sampled from."""
+
+    @property
+    def processed_fraction(self) -> dict[str, float]:
+        total = max(1, sum(self.fed_tokens))
+        return {f"block{layer}": sum(rows) / total for layer, rows in self.processed_tokens.items()}
+
+
+def encode_prompt(prompt: str | bytes | list[int], vocab_size: int) -> list[int]:
+    tokens = list(prompt.encode("utf-8")) if isinstance(prompt, str) else list(prompt)
+    if not tokens:
+        raise BundleError("--prompt must not be empty")
+    if min(tokens) < 0 or max(tokens) >= vocab_size:
+        raise BundleError(f"prompt tokens must be in [0, {vocab_size}), got {min(tokens)}..{max(tokens)}")
+    return tokens
+
+
+def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str | bytes | list[int]], *,
+                    vocab_size: int, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
+                    top_p: float = 1.0, seed: int = 1337, on_token: Callable[[int, int], None] | None = None,
+                    return_logits: bool = False) -> Generation:
+    """Run the decode graph `step` over a batch of prompts and sample `max_new_tokens` new tokens per prompt.
+
+    `on_token(row, token)` is called as soon as a token is sampled (streaming).
+    """
+    if not prompts:
+        raise BundleError("--prompt: give at least one prompt")
+    if max_new_tokens < 1:
+        raise BundleError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise BundleError("--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    encoded = [encode_prompt(p, vocab_size) for p in prompts]
+    batch = len(encoded)
+    lengths = np.array([len(p) for p in encoded])
+    steps = int(lengths.max()) + max_new_tokens - 1  # the last sampled token is never fed
+    feeds = cache_spec.allocate(batch, steps)
+    rng = np.random.default_rng(seed)
+    new_tokens: list[list[int]] = [[] for _ in encoded]
+    kept_logits: list[list[np.ndarray]] = [[] for _ in encoded]
+    processed = {layer: np.zeros(batch, dtype=np.int64) for layer in cache_spec.routed_layers}
+    last = np.zeros(batch, dtype=np.int64)
+
+    start = time.perf_counter()
+    first_token_s = 0.0
+    for position in range(steps):
+        reading = position < lengths  # (B,) rows still feeding their prompt
+        prompt_tokens = np.array([p[position] if position < len(p) else 0 for p in encoded], dtype=np.int64)
+        feeds["tokens"] = np.where(reading, prompt_tokens, last)
+        feeds["positions"] = np.full(batch, position, dtype=np.int64)
+        cache_spec.ensure_room(feeds)
+        outputs = step(feeds)
+        for layer in range(cache_spec.n_layers):
+            for name in ("keys", "values", "lengths"):
+                feeds[f"{name}.{layer}"] = outputs[f"next_{name}.{layer}"]
+        active = position < lengths + max_new_tokens - 1  # (B,) rows whose fed token counts
+        for layer in processed:
+            processed[layer] += outputs[f"processed.{layer}"].astype(np.int64) * active
+        sampling = (position >= lengths - 1) & (position < lengths + max_new_tokens - 1)  # (B,)
+        if not sampling.any():
+            continue
+        logits = outputs["logits"].astype(np.float32)  # (B, V)
+        chosen = sample(logits, temperature, top_k, top_p, rng)  # (B,)
+        for row in np.flatnonzero(sampling):
+            token = int(chosen[row])
+            new_tokens[row].append(token)
+            if return_logits:
+                kept_logits[row].append(logits[row])
+            if on_token is not None:
+                on_token(int(row), token)
+        last = np.where(sampling, chosen, last)
+        if not first_token_s and all(new_tokens):
+            first_token_s = time.perf_counter() - start
+    total_s = time.perf_counter() - start
+    return Generation(
+        tokens=new_tokens,
+        texts=[bytes(t for t in row if t < 256).decode("utf-8", errors="replace") for row in new_tokens],
+        steps=steps, first_token_s=first_token_s or total_s, total_s=total_s,
+        tokens_per_s=batch * max_new_tokens / max(total_s, 1e-9),
+        processed_tokens={layer: counts.tolist() for layer, counts in processed.items()},
+        fed_tokens=[len(p) + max_new_tokens - 1 for p in encoded],
+        logits=[np.stack(rows) for rows in kept_logits] if return_logits else None)
+
+
+class Utf8Stream:
+    """Writes the bytes of one sequence as text as soon as they form whole UTF-8 characters."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.write = write
+
+    def __call__(self, row: int, token: int) -> None:
+        text = self.decoder.decode(bytes([token]) if token < 256 else b"")
+        if text:
+            self.write(text)

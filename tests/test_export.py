@@ -1,0 +1,303 @@
+"""`modcli export`: ONNX and AOTInductor graphs equal eager PyTorch, the bundle is complete, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modcli.cache import DecoderCache
+from modcli.checkpoint import load_model_from, save_checkpoint
+from modcli.cli import app
+from modcli.config import RunConfig, TrainConfig
+from modcli.export import ExportConfig, export, validation_lengths
+from modcli.export_graphs import DecodeStepGraph, ForwardGraph
+from modcli.model import MoDDecoder
+from tests.conftest import make_corpus_text, tiny_model_config
+
+ATOL = 1e-4
+_BUNDLES: dict[tuple[str, str], Path] = {}
+
+
+def exported_bundle(run: Path, root: Path, name: str = "mod") -> Path:
+    """Export `run` once per test session (test_runtime.py shares it); ONNX graphs, CPU provider."""
+    key = (str(run), name)
+    if key not in _BUNDLES:
+        out = root / name
+        result = export(ExportConfig(checkpoint=str(run), out=str(out), provider="cpu"))
+        assert result.valid, result.failures
+        _BUNDLES[key] = out
+    return _BUNDLES[key]
+
+
+def random_checkpoint(root: Path, **overrides) -> Path:
+    """An untrained checkpoint (router biases at 0: about half the tokens processed); no training needed."""
+    torch.manual_seed(0)
+    config = tiny_model_config(**overrides)
+    model = MoDDecoder(config).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.router is not None:
+                block.router.bias.fill_(0.0)
+    run = RunConfig(model=config, train=TrainConfig(out=str(root)))
+    return save_checkpoint(root, 1, model, None, run, {"step": 1}, keep=1)
+
+
+@pytest.fixture(scope="module")
+def bundle(trained_run, tmp_path_factory) -> Path:
+    return exported_bundle(trained_run, tmp_path_factory.mktemp("bundles"))
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+# ----------------------------------------------------------------------------------------------- the graphs
+
+
+@torch.no_grad()
+def test_forward_wrapper_equals_the_model_topk_forward():
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config()).eval()
+    wrapper = ForwardGraph(model)
+    for length in (1, 3, 7, 8, 9, 32):
+        tokens = torch.randint(0, 256, (2, length))
+        logits, records = model(tokens, "topk", return_records=True)
+        outputs = wrapper(tokens)
+        torch.testing.assert_close(outputs[0], logits, atol=ATOL, rtol=0)
+        for selected, record in zip(outputs[1:], records, strict=True):
+            assert torch.equal(selected, record.selection.selected_idx)
+
+
+@pytest.mark.parametrize("routing", ["router", "predictor"])
+@torch.no_grad()
+def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing):
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config()).eval()
+    for block in model.blocks:
+        if block.router is not None:
+            block.router.bias.fill_(0.0)
+    config = model.config
+    wrapper = DecodeStepGraph(model, routing)
+    batch, steps = 3, 20
+    tokens = torch.randint(0, 256, (batch, steps))
+    cache = DecoderCache.allocate(config, batch, steps, torch.device("cpu"))
+    flat = []
+    for _ in range(config.n_layers):
+        flat += [torch.zeros(batch, config.n_heads, steps, config.head_dim),
+                 torch.zeros(batch, config.n_heads, steps, config.head_dim), torch.zeros(batch, dtype=torch.long)]
+    for t in range(steps):
+        expected = model.decode_step(tokens[:, t], cache, routing)
+        outputs = wrapper(tokens[:, t], torch.full((batch,), t), *flat)
+        torch.testing.assert_close(outputs[0], expected, atol=ATOL, rtol=0)
+        flat = list(outputs[1:1 + 3 * config.n_layers])
+    for layer in range(config.n_layers):
+        assert flat[3 * layer + 2].tolist() == cache.layers[layer].lengths.tolist()
+    routed = config.routed_layers()
+    assert all(0 < cache.layers[layer].lengths.sum() < batch * steps for layer in routed)  # both branches used
+
+
+def test_validation_lengths_cover_every_rounding_of_k():
+    config = tiny_model_config(capacity=0.125, seq_len=64)
+    lengths = validation_lengths(config)
+    ks = {config.capacity_tokens(t) for t in lengths}
+    assert {1, 2} <= ks and {7, 8, 9, 64} <= set(lengths) and min(lengths) == 1
+
+
+# ----------------------------------------------------------------------------------------------- the bundle
+
+
+def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
+    from modcli_runtime.bundle import sha256_of
+
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["valid"] is True and manifest["validation"]["status"] == "passed"
+    assert manifest["opset"] == 18 and manifest["versions"]["torch"] == torch.__version__
+    assert set(manifest["files"]) == {"forward.onnx", "decode.onnx", "config.json"}
+    for name, entry in manifest["files"].items():
+        assert sha256_of(bundle / name) == entry["sha256"]
+    forward, decode = manifest["graphs"]["forward"], manifest["graphs"]["decode"]
+    assert forward["routing"] == "topk" and forward["causal"] is False and "non-causal" in forward["note"]
+    assert decode["routing"] == "router" and decode["causal"] is True
+    assert forward["inputs"] == [{"name": "tokens", "shape": ["batch", "seq"], "dtype": "int64"}]
+    assert forward["outputs"][0] == {"name": "logits", "shape": ["batch", "seq", 256], "dtype": "float32"}
+    assert forward["outputs"][1]["shape"] == ["batch", "capacity"]
+    assert decode["inputs"][2] == {"name": "keys.0", "shape": ["batch", 4, "slots.0", 8], "dtype": "float32"}
+    checks = manifest["validation"]["checks"]
+    assert {c["graph"] for c in checks} == {"forward", "decode"} and all(c["passed"] for c in checks)
+    assert any("B=3" in c["case"] for c in checks if c["graph"] == "decode")
+    assert all(c["max_abs_diff"] <= ATOL for c in checks)
+    assert not list(bundle.parent.glob(".tmp-*"))
+
+
+def test_onnx_forward_graph_equals_pytorch_at_new_shapes(bundle, trained_run):
+    from modcli_runtime import load_bundle
+
+    model, _, _ = load_model_from(trained_run)
+    runtime = load_bundle(bundle)
+    generator = torch.Generator().manual_seed(7)
+    for batch, length in ((1, 2), (3, 6), (2, 8), (4, 11), (2, 40)):  # 40 > seq_len: one graph for every T
+        tokens = torch.randint(0, 256, (batch, length), generator=generator)
+        with torch.no_grad():
+            logits, records = model(tokens, "topk", return_records=True)
+        onnx_logits, selected = runtime.forward(tokens.numpy())
+        assert np.abs(onnx_logits - logits.numpy()).max() <= ATOL
+        assert [s.tolist() for s in selected] == [r.selection.selected_idx.tolist() for r in records]
+        assert all(s.shape[1] == model.config.capacity_tokens(length) for s in selected)
+
+
+def test_onnx_decode_graph_equals_the_causal_forward(bundle, trained_run):
+    """Teacher-forced decoding through the graph = one causal PyTorch forward (router rule), B > 1."""
+    from modcli_runtime import load_bundle
+
+    model, _, _ = load_model_from(trained_run)
+    runtime = load_bundle(bundle)
+    text = torch.tensor(list(make_corpus_text()[:30].encode()))
+    noise = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(3))
+    # The briefly trained router skips this text and processes random bytes: rows and steps of both kinds.
+    tokens = torch.stack([text, noise, torch.cat([text[:15], noise[15:]])])  # (3, 30)
+    with torch.no_grad():
+        logits, records = model(tokens, "router", return_records=True)
+    feeds = runtime.cache_spec.allocate(3, 30)
+    stepped, processed = [], []
+    for t in range(30):
+        feeds["tokens"], feeds["positions"] = tokens[:, t].numpy(), np.full(3, t)
+        runtime.cache_spec.ensure_room(feeds)
+        outputs = runtime.decode_step(feeds)
+        for layer in range(model.config.n_layers):
+            for name in ("keys", "values", "lengths"):
+                feeds[f"{name}.{layer}"] = outputs[f"next_{name}.{layer}"]
+        stepped.append(outputs["logits"])
+    assert np.abs(np.stack(stepped, axis=1) - logits.numpy()).max() <= ATOL
+    for record in records:
+        assert feeds[f"lengths.{record.layer}"].tolist() == record.selection.counts.tolist()
+        processed.append(record.selection.counts.sum().item())
+    assert all(0 < p < 90 for p in processed)  # processed and skipped tokens both happened
+
+
+def test_decode_graph_skips_a_routed_block_with_an_if(bundle):
+    """Each routed block sits in an If whose skip branch holds no MatMul: a skipped batch does no block work."""
+    import onnx
+
+    model = onnx.load(str(bundle / "decode.onnx"))
+    ifs = [node for node in model.graph.node if node.op_type == "If"]
+    assert len(ifs) == len(tiny_model_config().routed_layers())
+    for node in ifs:
+        branches = {a.name: a.g for a in node.attribute}
+        assert any(n.op_type == "MatMul" for n in branches["then_branch"].node)
+        assert not any(n.op_type in ("MatMul", "Softmax") for n in branches["else_branch"].node)
+
+
+def test_aot_inductor_package_runs_and_matches(tmp_path):
+    """--compile: ExportedProgram and AOTInductor package of the top-k forward graph (a ~15 s C++ compile)."""
+    checkpoint = random_checkpoint(tmp_path / "run", n_layers=1, route_offset=0)  # one routed block
+    result = export(ExportConfig(checkpoint=str(checkpoint), out=str(tmp_path / "bundle"), onnx=False, compile=True,
+                                 graphs=["forward"]))
+    assert result.valid, result.failures
+    assert {f.kind for f in result.files} == {"exported_program", "aoti"}
+    assert {c.runner for c in result.checks} == {"pt2", "aoti-cpu"}
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert manifest["compile"]["aoti"] is True and manifest["compile"]["seconds"]["forward.aoti"] > 0
+
+    from torch._inductor import aoti_load_package
+
+    package = aoti_load_package(str(tmp_path / "bundle" / "forward.aoti.pt2"))
+    model, _, _ = load_model_from(checkpoint)
+    tokens = torch.randint(0, 256, (3, 21))
+    with torch.no_grad():
+        logits, records = model(tokens, "topk", return_records=True)
+        outputs = package(tokens)
+    torch.testing.assert_close(outputs[0], logits, atol=ATOL, rtol=0)
+    assert torch.equal(outputs[1], records[0].selection.selected_idx)
+
+
+# ----------------------------------------------------------------------------------------------- the command
+
+
+def test_cli_exports_a_dense_model_and_replaces_a_bundle_with_force(runner, trained_dense_run, tmp_path):
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    (out / "stale.onnx").write_text("old")
+    result = runner.invoke(app, ["export", str(trained_dense_run), "--out", str(out), "--graph", "decode", "--force",
+                                 "--provider", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["valid"] is True and {c["graph"] for c in payload["checks"]} == {"decode"}
+    assert not (out / "stale.onnx").exists() and (out / "decode.onnx").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["dense"] is True and manifest["graphs"]["decode"]["routing"] == "dense"
+
+
+def test_a_validation_failure_exits_non_zero_and_marks_the_bundle_invalid(runner, trained_dense_run, tmp_path,
+                                                                         monkeypatch):
+    import modcli.export as export_module
+
+    real = export_module.eager_forward
+    monkeypatch.setattr(export_module, "eager_forward", lambda model, tokens: (real(model, tokens)[0] + 1.0, []))
+    out = tmp_path / "bundle"
+    result = runner.invoke(app, ["export", str(trained_dense_run), "--out", str(out), "--graph", "forward",
+                                 "--provider", "cpu"])
+    assert result.exit_code == 1
+    assert "validation failed" in result.stderr and "FAIL" in result.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["valid"] is False and manifest["validation"]["failures"]
+
+
+@pytest.fixture(scope="module")
+def no_predictor_run(tmp_path_factory) -> Path:
+    return random_checkpoint(tmp_path_factory.mktemp("runs") / "no-predictor", predictor_hidden=0)
+
+
+@pytest.mark.parametrize("case", ["not-a-checkpoint", "no-predictor", "bfloat16-onnx", "bad-dtype", "bad-provider",
+                                  "cuda-provider", "out-exists", "force-on-a-foreign-folder", "nothing-to-export",
+                                  "bad-graph", "topk-decode", "bad-opset", "missing-text"])
+def test_bad_input_is_one_red_line_and_exit_code_2(case, runner, trained_run, no_predictor_run, tmp_path):
+    out = tmp_path / "bundle"
+    args = ["export", str(trained_run), "--out", str(out)]
+    if case == "not-a-checkpoint":
+        (tmp_path / "empty").mkdir()
+        args[1] = str(tmp_path / "empty")
+    elif case == "no-predictor":
+        args += ["--routing", "predictor"]
+        args[1] = str(no_predictor_run)
+    elif case == "bfloat16-onnx":
+        args += ["--dtype", "bfloat16"]
+    elif case == "bad-dtype":
+        args += ["--dtype", "float64"]
+    elif case == "bad-provider":
+        args += ["--provider", "tpu"]
+    elif case == "cuda-provider":
+        from modcli.export import _cuda_provider_works
+
+        if _cuda_provider_works():
+            pytest.skip("onnxruntime's CUDA provider works here")
+        args += ["--provider", "cuda"]
+    elif case in ("out-exists", "force-on-a-foreign-folder"):
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+        if case == "force-on-a-foreign-folder":
+            args.append("--force")
+    elif case == "nothing-to-export":
+        args += ["--no-onnx"]
+    elif case == "bad-graph":
+        args += ["--graph", "prefill"]
+    elif case == "topk-decode":
+        args += ["--routing", "topk"]
+    elif case == "bad-opset":
+        args += ["--opset", "13"]
+    elif case == "missing-text":
+        args += ["--text", str(tmp_path / "nope.txt")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.output
+    if case in ("out-exists", "force-on-a-foreign-folder"):
+        assert (out / "notes.txt").read_text() == "keep me" and len(list(out.iterdir())) == 1
+    else:
+        assert not out.exists()
+    assert not list(tmp_path.glob(".tmp-*"))
