@@ -14,8 +14,9 @@ from modcli.cache import DecoderCache
 from modcli.checkpoint import load_model_from, save_checkpoint
 from modcli.cli import app
 from modcli.config import RunConfig, TrainConfig
-from modcli.export import ExportConfig, export, validation_lengths
+from modcli.export import ExportConfig, export
 from modcli.export_graphs import DecodeStepGraph, ForwardGraph
+from modcli.export_validation import validation_lengths
 from modcli.model import MoDDecoder
 from tests.conftest import make_corpus_text, tiny_model_config
 
@@ -236,10 +237,10 @@ def test_cli_exports_a_dense_model_and_replaces_a_bundle_with_force(runner, trai
 
 def test_a_validation_failure_exits_non_zero_and_marks_the_bundle_invalid(runner, trained_dense_run, tmp_path,
                                                                          monkeypatch):
-    import modcli.export as export_module
+    import modcli.export_validation as validation
 
-    real = export_module.eager_forward
-    monkeypatch.setattr(export_module, "eager_forward", lambda model, tokens: (real(model, tokens)[0] + 1.0, []))
+    real = validation.eager_forward
+    monkeypatch.setattr(validation, "eager_forward", lambda model, tokens: (real(model, tokens)[0] + 1.0, []))
     out = tmp_path / "bundle"
     result = runner.invoke(app, ["export", str(trained_dense_run), "--out", str(out), "--graph", "forward",
                                  "--provider", "cpu"])
@@ -273,9 +274,9 @@ def test_bad_input_is_one_red_line_and_exit_code_2(case, runner, trained_run, no
     elif case == "bad-provider":
         args += ["--provider", "tpu"]
     elif case == "cuda-provider":
-        from modcli.export import _cuda_provider_works
+        from modcli.export_validation import cuda_provider_works
 
-        if _cuda_provider_works():
+        if cuda_provider_works():
             pytest.skip("onnxruntime's CUDA provider works here")
         args += ["--provider", "cuda"]
     elif case in ("out-exists", "force-on-a-foreign-folder"):
