@@ -15,9 +15,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DataConfig": "modcli.config", "ModelConfig": "modcli.config", "RunConfig": "modcli.config",
     "TrainConfig": "modcli.config", "resolve_run_config": "modcli.config",
-    "EvalConfig": "modcli.evaluate", "evaluate": "modcli.evaluate",
-    "GenerateConfig": "modcli.generate", "generate": "modcli.generate",
-    "MoDDecoder": "modcli.model", "train": "modcli.train",
+    "EvalConfig": "modcli.evaluation", "evaluate": "modcli.evaluation",
+    "GenerateConfig": "modcli.generation", "generate": "modcli.generation",
+    "MoDDecoder": "modcli.model", "train": "modcli.training",
+    "ExportConfig": "modcli.export_bundle", "export": "modcli.export_bundle",
 }
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from modcli.export_lowering import MIN_OPSET, GraphSpec
 from modcli.model import MoDDecoder
 
 if TYPE_CHECKING:
-    from modcli.export import ExportConfig
+    from modcli.export_bundle import ExportConfig
 
 
 @dataclass
@@ -123,7 +123,7 @@ def eager_generation(model: MoDDecoder, prompts: list[list[int]], steps: int, ro
     number of tokens each row's cache holds (= tokens the layer processed).
     """
     from modcli.cache import DecoderCache
-    from modcli.generate import prefill
+    from modcli.generation import prefill
 
     device = torch.device("cpu")
     dtype = model.embed.weight.dtype

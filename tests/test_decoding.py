@@ -95,7 +95,7 @@ def test_causal_modes_do_not_see_the_future_and_topk_does():
 
 @torch.no_grad()
 def test_batch_decoding_with_different_prompt_lengths_matches_single_sequences():
-    from modcli.generate import GenerateConfig, generate
+    from modcli.generation import GenerateConfig, generate
 
     model = _model()
     prompts = ["def f(x):", "import os\nprint", "a"]

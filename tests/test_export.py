@@ -14,7 +14,7 @@ from modcli.cache import DecoderCache
 from modcli.checkpoint import load_model_from, save_checkpoint
 from modcli.cli import app
 from modcli.config import RunConfig, TrainConfig
-from modcli.export import ExportConfig, export
+from modcli.export_bundle import ExportConfig, export
 from modcli.export_graphs import DecodeStepGraph, ForwardGraph
 from modcli.export_validation import validation_lengths
 from modcli.model import MoDDecoder

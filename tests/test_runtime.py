@@ -51,7 +51,7 @@ def run_without_torch(*args: str) -> subprocess.CompletedProcess:
 
 
 def modcli_generate(run: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
-    from modcli.generate import GenerateConfig, generate
+    from modcli.generation import GenerateConfig, generate
 
     config = GenerateConfig(checkpoint=str(run), prompts=prompts, max_new_tokens=max_new_tokens, temperature=0,
                             device="cpu")
@@ -131,7 +131,7 @@ def test_runtime_refuses_damaged_or_invalid_bundles(bundle, tmp_path):
 
 
 def test_time_bundle_reports_latencies_for_profile(bundle):
-    from modcli.export import time_bundle
+    from modcli.export_bundle import time_bundle
 
     timings = time_bundle(bundle, batch=2, seq_len=16, cache_tokens=24, repeats=3, warmup=1)
     assert timings["provider"] == "CPUExecutionProvider"

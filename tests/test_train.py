@@ -17,7 +17,7 @@ import torch
 from modcli.checkpoint import complete_checkpoints, load_model_from, resolve_checkpoint
 from modcli.errors import TrainingDiverged, UserError
 from modcli.flops import training_flops
-from modcli.train import learning_rate, train
+from modcli.training import learning_rate, train
 from tests.conftest import tiny_run_config
 
 
@@ -108,7 +108,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path, c
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, corpus_file, monkeypatch):
-    import modcli.train as train_module
+    import modcli.training as train_module
 
     real_loss = train_module.lm_loss
     calls = {"n": 0}

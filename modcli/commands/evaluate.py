@@ -26,7 +26,7 @@ def eval_command(
     from rich.table import Table
 
     from modcli.config import ROUTING_MODES
-    from modcli.evaluate import EvalConfig, evaluate
+    from modcli.evaluation import EvalConfig, evaluate
 
     result = evaluate(EvalConfig(checkpoint=checkpoint, data=data, glob=glob,
                                  routing=routing or list(ROUTING_MODES), batches=batches,

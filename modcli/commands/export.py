@@ -1,4 +1,4 @@
-"""`modcli export`: flags -> ExportConfig -> modcli.export.export -> validation table, op histograms, sizes."""
+"""`modcli export`: flags -> ExportConfig -> modcli.export_bundle.export -> validation table, op histograms, sizes."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def export(
     json_output: Json = False,
 ) -> None:
     """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs."""
-    from modcli.export import ExportConfig
-    from modcli.export import export as run_export
+    from modcli.export_bundle import ExportConfig
+    from modcli.export_bundle import export as run_export
 
     config = ExportConfig(checkpoint=checkpoint, out=out, onnx=onnx, compile=compile,
                           graphs=graph or ["forward", "decode"], routing=routing, dtype=dtype, provider=provider,

@@ -27,8 +27,8 @@ def generate(
     json_output: Json = False,
 ) -> None:
     """Generate text with causal routing and a KV cache holding only the tokens each block processed."""
-    from modcli.generate import GenerateConfig, Utf8Stream
-    from modcli.generate import generate as run_generation
+    from modcli.generation import GenerateConfig, Utf8Stream
+    from modcli.generation import generate as run_generation
 
     config = GenerateConfig(checkpoint=checkpoint, prompts=prompt or ["def "], max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, routing=routing,

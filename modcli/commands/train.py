@@ -1,4 +1,4 @@
-"""`modcli train`: flags -> RunConfig -> modcli.train.train -> summary table."""
+"""`modcli train`: flags -> RunConfig -> modcli.training.train -> summary table."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def train(
     flags = {k: v for k, v in locals().items()
              if k not in ("preset", "config", "resume", "json_output") and v is not None}
     from modcli.config import RunConfig, resolve_run_config
-    from modcli.train import train as run_training
+    from modcli.training import train as run_training
 
     base = preset or "tiny"
     if resume and preset is None and config is None:

@@ -320,7 +320,7 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
     manifest["valid"] = valid
     manifest["validation"] = {"status": "passed" if valid else "failed", "atol": atol, "decode_steps": steps,
                               "reference": "eager PyTorch on the same checkpoint in the same dtype "
-                                           "(forward: model(tokens, 'topk'); decode: modcli.generate's prefill and "
+                                           "(forward: model(tokens, 'topk'); decode: modcli.generation's prefill and "
                                            "decode_step, greedy)",
                               "checks": [_finite(dataclasses.asdict(c)) for c in checks], "failures": failures}
     manifest["files"] = _file_entries(tmp)
