@@ -164,13 +164,15 @@ def _sync(device: torch.device) -> None:
 
 
 class Utf8Stream:
-    """Writes bytes of one sequence as text as soon as they form whole UTF-8 characters."""
+    """Writes bytes of one sequence as text as soon as they form whole UTF-8 characters, after `prefix`."""
 
-    def __init__(self, write: Callable[[str], None]) -> None:
+    def __init__(self, write: Callable[[str], None], prefix: str = "") -> None:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.write = write
+        self.prefix = prefix  # the prompt, written with the first token so that notes on stderr come before it
 
     def __call__(self, row: int, data: bytes) -> None:
-        text = self.decoder.decode(data)
+        text = self.prefix + self.decoder.decode(data)
+        self.prefix = ""
         if text:
             self.write(text)

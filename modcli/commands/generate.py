@@ -35,9 +35,7 @@ def generate(
                             device=device, dtype=dtype, compile=compile)
     stream = None
     if not json_output and len(config.prompts) == 1:
-        sys.stdout.write(config.prompts[0])
-        writer = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-        stream = writer
+        stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), prefix=config.prompts[0])
     result = run_generation(config, on_bytes=stream)
     if json_output:
         from modcli.reporting import print_json
