@@ -58,6 +58,10 @@ class LayerKVCache:
         self.max_length += 1
         span = self.max_length
         mask = torch.arange(span, device=slot.device)[None, :] <= slot[:, None]  # (n, L)
+        if rows.shape[0] == self.keys.shape[0]:
+            # Every row appends (always so in a dense layer): `rows` holds each row once, in order, so views of
+            # the buffers replace an indexed copy of the whole cache at every step.
+            return self.keys[:, :, :span], self.values[:, :, :span], mask[:, None, None, :]
         return self.keys[rows, :, :span], self.values[rows, :, :span], mask[:, None, None, :]
 
     def stored_bytes(self) -> int:

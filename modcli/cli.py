@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from modcli.commands import evaluate, generate, train
+from modcli.commands import evaluate, generate, profile, train
 from modcli.commands import export as export_command
 
 app = typer.Typer(
@@ -15,6 +15,7 @@ app.command("train")(train.train)
 app.command("eval")(evaluate.eval_command)
 app.command("generate")(generate.generate)
 app.command("export")(export_command.export)
+app.command("profile")(profile.profile)
 
 
 def main() -> None:

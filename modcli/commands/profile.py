@@ -1,0 +1,159 @@
+"""`modcli profile`: flags -> ProfileConfig -> modcli.profiling.profile -> one table per sequence length."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from modcli.commands.common import Device, Dtype, Json, stdout, user_errors
+from modcli.errors import UserError
+
+
+@user_errors
+def profile(
+    checkpoint: Annotated[Optional[str], typer.Argument(
+        help="Run or checkpoint folder; without it a freshly initialised model of --preset/--config/flags.")] = None,
+    compare: Annotated[str, typer.Option(help="dense (the dense twin), none, or a run/checkpoint folder.")] = "dense",
+    preset: Annotated[Optional[str], typer.Option(help="tiny, small or base (default small).")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", help="TOML file with the same keys as the flags; flags win.")] = None,
+    d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
+    n_layers: Annotated[Optional[int], typer.Option(help="Number of blocks.")] = None,
+    n_heads: Annotated[Optional[int], typer.Option(help="Attention heads.")] = None,
+    mlp_hidden: Annotated[Optional[int], typer.Option(help="SwiGLU hidden width (0 = 8/3 x d_model).")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size.")] = None,
+    capacity: Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")] = None,
+    route_every: Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")] = None,
+    route_offset: Annotated[Optional[int], typer.Option(help="Index of the first routed block.")] = None,
+    router_weight: Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")] = None,
+    predictor_hidden: Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to profile (default: the model's).")] = None,
+    seq_lens: Annotated[Optional[str], typer.Option(help="Sweep, comma-separated, e.g. 256,512,1024,2048.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Sequences per call.")] = 8,
+    repeats: Annotated[int, typer.Option(help="Timed calls per measurement and model (median, min, max).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed calls before the timed ones.")] = 1,
+    measure: Annotated[str, typer.Option(help="Comma-separated: forward, train, decode.")] = "forward,train,decode",
+    decode_tokens: Annotated[int, typer.Option(help="Decode steps after prefilling T tokens.")] = 32,
+    routing: Annotated[str, typer.Option(help="Causal routing of prefill and decode: router or predictor.")] = "router",
+    memory: Annotated[bool, typer.Option(
+        "--memory/--no-memory", help="Measure peak memory (one fresh process per measurement).")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of fresh weights and of the inputs.")] = 1337,
+    plot: Annotated[Optional[str], typer.Option(help="Write latency and FLOPs against T to this PNG.")] = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile forward and training step.")] = False,
+    json_output: Json = False,
+) -> None:
+    """FLOPs, latency, tokens/s, peak memory and KV-cache bytes of an MoD model against its dense twin (or a checkpoint)."""
+    from modcli.profiling import ProfileConfig
+    from modcli.profiling import profile as run_profile
+
+    model_flags = {k: v for k, v in dict(
+        d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden, vocab_size=vocab_size,
+        capacity=capacity, route_every=route_every, route_offset=route_offset, router_weight=router_weight,
+        predictor_hidden=predictor_hidden).items() if v is not None}
+    model = None
+    if checkpoint is None or model_flags or preset or config:
+        from modcli.config import resolve_run_config
+        model = resolve_run_config(preset or "small", str(config) if config else None, model_flags).model
+    if seq_len is not None and seq_lens is not None:
+        raise UserError("give --seq-len or --seq-lens, not both")
+    lengths = [seq_len] if seq_len is not None else (_int_list(seq_lens, "--seq-lens") if seq_lens else None)
+    result = run_profile(ProfileConfig(
+        checkpoint=checkpoint, model=model, compare=compare, seq_lens=lengths, batch_size=batch_size,
+        repeats=repeats, warmup=warmup, measure=[m.strip() for m in measure.split(",") if m.strip()],
+        decode_tokens=decode_tokens, routing=routing, device=device, dtype=dtype, compile=compile, memory=memory,
+        seed=seed, plot=plot))
+    if json_output:
+        from modcli.reporting import print_json
+        print_json(dataclasses.asdict(result))
+        return
+    from rich.console import Console
+
+    out = stdout if stdout.is_terminal else Console(width=120)  # a pipe or file gets whole rows, not 80 columns
+    for table in tables(result):
+        out.print(table)
+    out.print(f"[dim]{result.flops_note}\n{result.memory_method}[/]", highlight=False)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def tables(result) -> list:
+    """One Rich table per sequence length: model, baseline, measured ratio and the ratio the FLOPs predict."""
+    return [_table(result, r) for r in result.results]
+
+
+def _table(result, r):
+    from rich.table import Table
+
+    from modcli.reporting import human
+
+    compared = result.baseline is not None
+    m, b = r.model, r.baseline
+    table = Table(title=f"T = {r.seq_len}, batch {result.batch_size}, {result.device_name}, {result.dtype}; "
+                        f"median of {result.repeats} (min-max), interleaved",
+                  caption=f"causal routing of prefill and decode: {result.routing}" if m.decode else None)
+    table.add_column("metric")
+    table.add_column(result.model.label, justify="right")
+    if compared:
+        table.add_column(result.baseline.label, justify="right")
+        table.add_column("ratio", justify="right")
+        table.add_column("ideal (FLOPs)", justify="right")
+
+    def row(label: str, mine, theirs, fmt, ratio_key: str | None = None) -> None:
+        cells = [label, fmt(mine) if mine is not None else "-"]
+        if compared:
+            ratio = r.ratio.get(ratio_key) if ratio_key else None
+            cells += [fmt(theirs) if theirs is not None else "-", _ratio(ratio.measured if ratio else None),
+                      _ratio(ratio.ideal if ratio else None)]
+        table.add_row(*cells)
+
+    def get(obj, name: str):
+        return None if obj is None else getattr(obj, name)
+
+    row("parameters", result.model.parameters, get(result.baseline, "parameters"), lambda n: f"{n:,}")
+    row("forward FLOPs/seq (analytic)", m.forward_flops_per_seq, get(b, "forward_flops_per_seq"), human)
+    row("forward FLOPs/seq (counted)", m.forward_flops_counted_per_seq, get(b, "forward_flops_counted_per_seq"),
+        human, "forward_flops")
+    row("training FLOPs/seq (3 x fwd)", m.train_flops_per_seq, get(b, "train_flops_per_seq"), human)
+    for name, label in (("forward", "forward"), ("train_step", "training step"),
+                        ("prefill", f"prefill ({result.routing})"), ("decode", "decode step")):
+        mine, theirs = getattr(m, name), get(b, name)
+        if mine is None:
+            continue
+        row(f"{label} latency ms", mine, theirs, _latency, f"{name}_latency")
+        row(f"{label} tok/s", mine.tokens_per_s, get(theirs, "tokens_per_s"), lambda v: f"{v:,.0f}")
+        if mine.compile_s is not None:
+            row(f"{label} compile s", mine.compile_s, get(theirs, "compile_s"), lambda v: f"{v:.1f}")
+    for name, label in (("forward", "forward"), ("train_step", "training step"), ("decode", "prefill + decode")):
+        mine, theirs = getattr(m, name), get(b, name)
+        if mine is not None and mine.peak_mem_bytes is not None:
+            row(f"peak memory MiB, {label}", mine.peak_mem_bytes, get(theirs, "peak_mem_bytes"), _mib,
+                f"{name}_peak_mem")
+    if m.kv_cache_bytes is not None:
+        row(f"KV cache MiB after {r.seq_len}+{result.decode_tokens} tokens", m.kv_cache_bytes,
+            get(b, "kv_cache_bytes"), _mib, "kv_cache")
+        if m.processed_fraction:
+            share = sum(m.processed_fraction.values()) / len(m.processed_fraction)
+            row("processed share per routed block (causal)", share, None, lambda v: f"{v:.3f}")
+    return table
+
+
+def _latency(timing) -> str:
+    return f"{timing.latency_ms:.2f} ({timing.latency_min_ms:.2f}-{timing.latency_max_ms:.2f})"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -1,0 +1,772 @@
+"""`modcli profile`: FLOPs, latency, memory and KV-cache size of an MoD model against its dense twin.
+
+What is measured, per model and per sequence length T, at batch size B:
+
+- FLOPs per sequence: forward analytic (`modcli.flops.flops`, top-k routing) and counted
+  (`torch.utils.flop_counter.FlopCounterMode` over a real forward pass); training FLOPs per sequence (3 x forward,
+  predictor included); FLOPs of the causal prefill and of one decode step, counted.
+- Latency: forward (top-k routing, no grad), one training step as `modcli train` runs it (forward with the
+  auxiliary routing losses, backward, gradient clipping, AdamW), the causal prefill of T tokens into a KV cache,
+  and one decode step (`decode_step` with `--routing router|predictor`), averaged over `--decode-tokens` steps.
+- Peak memory of each measurement (see `MEMORY_METHOD`), KV-cache bytes after T + `--decode-tokens` tokens.
+
+Method: each timed call is synchronised (CUDA), warm-up calls are excluded, `--repeats` timed calls give the
+median with min and max, and the two models alternate call by call (A B, then B A, ...) so that drift of the
+machine (other processes, clocks, caches) hits both. With `--compile` the first call of each compiled model is
+reported as its compile time and never timed again.
+
+A model built from a config (no checkpoint) has untrained routers, whose causal yes/no would process about half of
+the tokens; each routed block's router (and predictor) bias is shifted so that it says yes to the top `capacity`
+share of its tokens on the profiling input, as a trained router does. A checkpoint's routers are used as trained.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modcli.cache import DecoderCache
+from modcli.config import DEVICES, DTYPES, ModelConfig, TrainConfig, require
+from modcli.errors import UserError
+from modcli.flops import counted_flops, flops, training_flops
+from modcli.losses import lm_loss, routing_losses
+from modcli.model import MoDDecoder
+from modcli.reporting import stderr_console
+from modcli.runtime import TORCH_DTYPES, autocast, device_name, resolve_device, seed_everything
+
+MEASUREMENTS = ("forward", "train", "decode")
+DECODE_ROUTINGS = ("router", "predictor")
+
+MEMORY_METHOD = (
+    "peak_mem_bytes: each measurement runs twice in a fresh child process holding only that model. CPU: the "
+    "model's parameter and buffer bytes plus the rise of the process's peak resident set (VmHWM, reset through "
+    "/proc/self/clear_refs after the model is built and freed heap memory is trimmed) while the calls run, so "
+    "weights, gradients, optimizer state, activations, KV cache and allocator slack are counted and the Python "
+    "and library footprint is not. CUDA: the same with torch.cuda.max_memory_allocated after "
+    "reset_peak_memory_stats (tensor memory only, not the allocator's reserve). Other devices: not measured."
+)
+FLOPS_NOTE = (
+    "Analytic and counted FLOPs both count matmuls and attention (q k^T and scores v, the full T x T square even "
+    "though a causal kernel may skip the masked half); neither counts element-wise work (RMSNorm, RoPE, softmax, "
+    "SiLU, residual adds, sigmoid router weights), the embedding lookup, top-k/sort, gather/scatter or the "
+    "optimizer step. Training FLOPs are 3 x forward (backward = 2 x forward), predictor included."
+)
+
+
+@dataclass
+class ProfileConfig:
+    """What `modcli profile` measures."""
+
+    checkpoint: str | None = None
+    """A run folder (its newest checkpoint) or a checkpoint folder; None = a freshly initialised `model`."""
+    model: ModelConfig | None = None
+    """The shape to profile when no checkpoint is given (from --preset, --config and the model flags)."""
+    compare: str = "dense"
+    """dense (the model's dense twin), none, or a run/checkpoint folder to compare with."""
+    seq_lens: list[int] | None = None
+    """Sequence lengths to profile; None = the model's seq_len."""
+    batch_size: int = 8
+    """Sequences per call."""
+    repeats: int = 5
+    """Timed calls per measurement and model (median, min and max are reported)."""
+    warmup: int = 1
+    """Untimed calls per measurement and model before the timed ones."""
+    measure: list[str] = field(default_factory=lambda: list(MEASUREMENTS))
+    """Which measurements to run: forward, train, decode (decode includes the causal prefill)."""
+    decode_tokens: int = 32
+    """Decode steps timed after prefilling T tokens; the KV cache is measured after T + this many tokens."""
+    routing: str = "router"
+    """Causal routing of the prefill and decode: router or predictor."""
+    device: str = "auto"
+    """auto, cpu, cuda or mps."""
+    dtype: str = "float32"
+    """Autocast dtype (weights stay float32; the KV cache uses this dtype)."""
+    compile: bool = False
+    """torch.compile the forward and training step (decode runs eagerly); the compile time is reported apart."""
+    memory: bool = True
+    """Measure peak memory in a fresh child process per measurement (a few seconds each)."""
+    seed: int = 1337
+    """Seed of the weights of freshly initialised models and of the token inputs."""
+    plot: str | None = None
+    """Write a PNG of latency and FLOPs against sequence length for both models (needs matplotlib)."""
+
+    def __post_init__(self) -> None:
+        require(self.checkpoint is None or self.model is None,
+                "--preset, --config and the model flags describe a new model; do not combine them with a checkpoint")
+        require(bool(self.compare), "--compare must be dense, none or a run/checkpoint folder")
+        if self.seq_lens is not None:
+            require(bool(self.seq_lens), "--seq-lens: give at least one sequence length")
+            for seq_len in self.seq_lens:
+                require(seq_len >= 2, f"--seq-len must be >= 2, got {seq_len}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        require(self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}")
+        require(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")
+        require(bool(self.measure), "--measure: name at least one of forward, train, decode")
+        for name in self.measure:
+            require(name in MEASUREMENTS, f"--measure must be among {', '.join(MEASUREMENTS)}, got {name!r}")
+        require(self.decode_tokens >= 1, f"--decode-tokens must be >= 1, got {self.decode_tokens}")
+        require(self.routing in DECODE_ROUTINGS,
+                f"--routing must be router or predictor (topk sees the future and cannot decode), got {self.routing!r}")
+        require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        require(self.plot is None or self.plot.lower().endswith(".png"), f"--plot must name a .png file, got {self.plot!r}")
+
+
+@dataclass
+class Timing:
+    """One measurement of one model: the median of the timed calls with their min and max."""
+
+    latency_ms: float
+    latency_min_ms: float
+    latency_max_ms: float
+    tokens_per_s: float
+    """Tokens per second at the median latency (B x T per call; B per decode step)."""
+    peak_mem_bytes: int | None = None
+    compile_s: float | None = None
+    """With --compile: wall time of the first call (compilation plus one run)."""
+
+
+@dataclass
+class ModelProfile:
+    """Everything measured for one model at one sequence length."""
+
+    forward_flops_per_seq: int
+    """Analytic forward FLOPs of one sequence with top-k routing."""
+    train_flops_per_seq: int
+    """Analytic training FLOPs of one sequence (3 x forward, predictor included)."""
+    forward_flops_counted_per_seq: int | None = None
+    """FlopCounterMode's count of the same forward pass."""
+    forward_flops_counted_by_op: dict[str, int] = field(default_factory=dict)
+    prefill_flops_counted_per_seq: int | None = None
+    """Counted FLOPs of the causal prefill (depends on how many tokens the routers let through)."""
+    decode_flops_counted_per_token: int | None = None
+    """Counted FLOPs of one decode step, per sequence, averaged over the decode steps."""
+    forward: Timing | None = None
+    train_step: Timing | None = None
+    prefill: Timing | None = None
+    decode: Timing | None = None
+    """Latency of one decode step (all B sequences), the mean over --decode-tokens steps per timed call."""
+    kv_cache_bytes: int | None = None
+    """K/V bytes held after T + --decode-tokens tokens (a routed block stores only the tokens it processed)."""
+    kv_cache_dense_bytes: int | None = None
+    """What a dense model of this shape holds for the same tokens."""
+    processed_fraction: dict[str, float] = field(default_factory=dict)
+    """Per routed block: the share of the T + --decode-tokens tokens it processed under causal routing."""
+
+
+@dataclass
+class Ratio:
+    """Model / baseline: measured, and the ideal ratio the FLOPs predict."""
+
+    measured: float | None
+    ideal: float | None = None
+
+
+@dataclass
+class SeqLenProfile:
+    seq_len: int
+    model: ModelProfile
+    baseline: ModelProfile | None
+    ratio: dict[str, Ratio]
+    """forward_latency, train_step_latency, prefill_latency, decode_latency, forward_flops, *_peak_mem, kv_cache."""
+
+
+@dataclass
+class ModelInfo:
+    label: str
+    source: str
+    parameters: int
+    dense: bool
+    routed_layers: list[int]
+    capacity: float
+    routers_calibrated: bool
+    """True when untrained routers were shifted to process the capacity share (see the module docstring)."""
+    config: dict[str, Any]
+
+
+@dataclass
+class ProfileResult:
+    device: str
+    device_name: str
+    dtype: str
+    torch_version: str
+    threads: int
+    batch_size: int
+    repeats: int
+    warmup: int
+    decode_tokens: int
+    routing: str
+    compile: bool
+    model: ModelInfo
+    baseline: ModelInfo | None
+    results: list[SeqLenProfile]
+    memory_method: str
+    flops_note: str
+    environment: dict[str, str]
+    """Thread settings that change CPU timings (OMP_NUM_THREADS, OMP_WAIT_POLICY, ...), where set."""
+    load_avg_start: list[float]
+    """The machine's 1, 5 and 15 minute load averages before and after: other work disturbs timings."""
+    load_avg_end: list[float]
+    wall_time_s: float
+    plot: str | None = None
+
+
+def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
+    """Profile a model (and the model it is compared with) as `config` says."""
+    started = time.perf_counter()
+    load_start = _load_avg()
+    if config.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
+    device = resolve_device(config.device)
+    if config.dtype == "float16" and device.type == "cpu":
+        raise UserError("--dtype float16 is not supported on the CPU; use bfloat16 or float32")
+
+    def log(message: str) -> None:
+        if not quiet:
+            stderr_console.print(message, highlight=False, soft_wrap=True)
+
+    model, info = _load_subject(config, device)
+    baseline, baseline_info = _load_baseline(config, model, info, device)
+    models = {"model": model} | ({"baseline": baseline} if baseline is not None else {})
+    for name, m in models.items():
+        if config.routing == "predictor" and not m.config.dense and not m.config.predictor_hidden:
+            raise UserError(f"--routing predictor: the {name} has no predictor (--predictor-hidden 0)")
+    seq_lens = config.seq_lens or [model.config.seq_len]
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and load_start and load_start[0] > 0.5 * cores:
+        log(f"[yellow]note: the load average is {load_start[0]} on {cores} cores: other processes share the CPU, so "
+            "timings will be noisy (the interleaving spreads the noise over both models)[/]")
+    log(f"profiling on {device_name(device)}: {info.label} ({info.parameters:,} parameters)"
+        + (f" against {baseline_info.label} ({baseline_info.parameters:,})" if baseline_info else "")
+        + f", batch {config.batch_size}, T = {', '.join(map(str, seq_lens))}")
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="modcli-profile-") as tmp:
+        weights = _save_for_children(models, Path(tmp)) if config.memory else {}
+        for seq_len in seq_lens:
+            per_model = _measure_seq_len(config, models, seq_len, device, log)
+            if config.memory:
+                log(f"T={seq_len}: peak memory, one fresh process per measurement")
+                _measure_memory(config, models, weights, seq_len, device, per_model)
+            results.append(SeqLenProfile(seq_len, per_model["model"], per_model.get("baseline"),
+                                         _ratios(per_model["model"], per_model.get("baseline"))))
+
+    result = ProfileResult(
+        device=str(device), device_name=device_name(device), dtype=config.dtype, torch_version=torch.__version__,
+        threads=torch.get_num_threads(), batch_size=config.batch_size, repeats=config.repeats, warmup=config.warmup,
+        decode_tokens=config.decode_tokens, routing=config.routing, compile=config.compile, model=info,
+        baseline=baseline_info, results=results,
+        memory_method=MEMORY_METHOD if config.memory else "peak memory: not measured (--no-memory)",
+        flops_note=FLOPS_NOTE, environment=_environment(), load_avg_start=load_start, load_avg_end=_load_avg(),
+        wall_time_s=time.perf_counter() - started, plot=config.plot)
+    if config.plot:
+        write_plot(result, config.plot)
+        log(f"wrote {config.plot}")
+    return result
+
+
+# --- the models -------------------------------------------------------------------------------------------------
+
+
+def _load_subject(config: ProfileConfig, device: torch.device) -> tuple[MoDDecoder, ModelInfo]:
+    if config.checkpoint is not None:
+        from modcli.checkpoint import load_model_from
+
+        model, _, checkpoint = load_model_from(config.checkpoint, device)
+        return model, _info(model, str(checkpoint), calibrated=False)
+    model_config = config.model or ModelConfig()
+    seed_everything(config.seed)
+    model = MoDDecoder(model_config).to(device).eval()
+    calibrated = _calibrate_routers(model, config, device)
+    return model, _info(model, "config", calibrated)
+
+
+def _load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
+                   device: torch.device) -> tuple[MoDDecoder | None, ModelInfo | None]:
+    if config.compare == "none":
+        return None, None
+    if config.compare == "dense":
+        if model.config.dense:
+            raise UserError(f"--compare dense: {info.source} is already dense; compare it with a checkpoint or none")
+        seed_everything(config.seed)
+        twin = MoDDecoder(model.config.dense_twin()).to(device).eval()
+        return twin, _info(twin, f"dense twin of {info.source}", calibrated=False)
+    from modcli.checkpoint import load_model_from
+
+    try:
+        other, _, checkpoint = load_model_from(config.compare, device)
+    except UserError as exc:
+        raise UserError(f"--compare: {exc}") from None
+    return other, _info(other, str(checkpoint), calibrated=False)
+
+
+def _info(model: MoDDecoder, source: str, calibrated: bool) -> ModelInfo:
+    mc = model.config
+    label = "dense" if mc.dense else f"MoD c={mc.capacity:g}"
+    return ModelInfo(label=label, source=source, parameters=model.num_parameters(), dense=mc.dense,
+                     routed_layers=mc.routed_layers(), capacity=mc.capacity, routers_calibrated=calibrated,
+                     config=dataclasses.asdict(mc))
+
+
+@torch.no_grad()
+def _calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.device) -> bool:
+    """Shift each untrained router's (and predictor's) bias so its causal yes/no keeps the top `capacity` share.
+
+    Block by block in order, because a block's router weights change what the next block sees. Top-k routing does
+    not change (a common shift keeps the ranking); only the causal decisions and the router weights do.
+    """
+    if model.config.dense:
+        return False
+    seq_len = (config.seq_lens or [model.config.seq_len])[0]
+    tokens = _tokens(model.config, 1, seq_len, config.seed, device)
+    quantile = 1.0 - model.config.capacity
+    for layer in model.config.routed_layers():
+        block = model.blocks[layer]
+        _, records = model(tokens, "topk", return_records=True)
+        record = next(r for r in records if r.layer == layer)
+        block.router.bias -= torch.quantile(record.router_logits.float().flatten(), quantile)
+        if block.predictor is not None and record.predictor_logits is not None:
+            block.predictor.net[-1].bias -= torch.quantile(record.predictor_logits.float().flatten(), quantile)
+    return True
+
+
+def _tokens(model_config: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed + seq_len)
+    return torch.randint(0, model_config.vocab_size, (batch, seq_len), generator=generator).to(device)
+
+
+# --- the measured calls -----------------------------------------------------------------------------------------
+# Each factory returns a call that runs once and returns its own durations in seconds (synchronised), so the
+# same calls serve the timed runs here and the memory runs in a child process.
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def forward_call(model, tokens: torch.Tensor, device: torch.device, dtype: str) -> Callable[[], dict[str, float]]:
+    def call() -> dict[str, float]:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad(), autocast(device, dtype):
+            model(tokens, "topk")
+        _sync(device)
+        return {"forward": time.perf_counter() - start}
+
+    return call
+
+
+def train_call(model: MoDDecoder, step_model, tokens: torch.Tensor, device: torch.device,
+               dtype: str) -> Callable[[], dict[str, float]]:
+    """One optimiser step as `modcli train` takes it: aux losses, backward, clipping, AdamW (default settings).
+
+    `model` owns the parameters; `step_model` is what is called (the model itself or its compiled wrapper).
+    """
+    from modcli.training import make_optimizer
+
+    train_config = TrainConfig()
+    optimizer = make_optimizer(model, train_config)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "float16")
+    targets = tokens.roll(-1, dims=1)  # (B, T): any targets cost the same
+    model.train()
+
+    def call() -> dict[str, float]:
+        _sync(device)
+        start = time.perf_counter()
+        with autocast(device, dtype):
+            logits, records = step_model(tokens, "topk", return_records=True)
+            loss = lm_loss(logits, targets)
+            router_bce, predictor_bce = routing_losses(records)
+            total = loss + train_config.router_aux_weight * router_bce.to(device) + predictor_bce.to(device)
+        scaler.scale(total).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        return {"train_step": time.perf_counter() - start}
+
+    return call
+
+
+def decode_call(model: MoDDecoder, tokens: torch.Tensor, decode_tokens: int, routing: str, device: torch.device,
+                dtype: str, keep: dict | None = None) -> Callable[[], dict[str, float]]:
+    """Causal prefill of the T tokens into a fresh KV cache, then `decode_tokens` decode steps.
+
+    The decode inputs are fixed tokens rather than samples, so sampling costs nothing and every call decodes the
+    same thing. The last call's cache is left in `keep["cache"]`.
+    """
+    batch = tokens.shape[0]
+    generator = torch.Generator().manual_seed(tokens.shape[1])
+    new_tokens = torch.randint(0, model.config.vocab_size, (decode_tokens, batch), generator=generator).to(device)
+    kv_dtype = TORCH_DTYPES[dtype]
+
+    @torch.no_grad()
+    def call() -> dict[str, float]:
+        cache = DecoderCache.allocate(model.config, batch, tokens.shape[1] + decode_tokens, device, kv_dtype)
+        _sync(device)
+        start = time.perf_counter()
+        with autocast(device, dtype):
+            model(tokens, routing, cache=cache)
+        _sync(device)
+        prefilled = time.perf_counter()
+        with autocast(device, dtype):
+            for step in range(decode_tokens):
+                model.decode_step(new_tokens[step], cache, routing)
+        _sync(device)
+        if keep is not None:
+            keep["cache"] = cache
+        return {"prefill": prefilled - start, "decode": (time.perf_counter() - prefilled) / decode_tokens}
+
+    return call
+
+
+# --- timing -----------------------------------------------------------------------------------------------------
+
+
+def _interleaved(calls: dict[str, Callable[[], dict[str, float]]], warmup: int,
+                 repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Warm each call up, then time them alternately (A B, B A, A B, ...): model -> quantity -> seconds."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    names = list(calls)
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # a collection inside one model's call would be charged to that model
+    try:
+        for repeat in range(repeats):
+            for name in names if repeat % 2 == 0 else names[::-1]:
+                for quantity, seconds in calls[name]().items():
+                    samples[name].setdefault(quantity, []).append(seconds)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return samples
+
+
+def _timing(seconds: list[float], tokens_per_call: int, compile_s: float | None = None) -> Timing:
+    median = statistics.median(seconds)
+    return Timing(latency_ms=median * 1e3, latency_min_ms=min(seconds) * 1e3, latency_max_ms=max(seconds) * 1e3,
+                  tokens_per_s=tokens_per_call / median if median > 0 else math.inf, compile_s=compile_s)
+
+
+def _first_call(call: Callable[[], dict[str, float]]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_len: int, device: torch.device,
+                     log: Callable[[str], None]) -> dict[str, ModelProfile]:
+    batch = config.batch_size
+    tokens = {name: _tokens(m.config, batch, seq_len, config.seed, device) for name, m in models.items()}
+    out = {name: ModelProfile(forward_flops_per_seq=flops(m.config, seq_len).total,
+                              train_flops_per_seq=training_flops(m.config, seq_len))
+           for name, m in models.items()}
+
+    if "forward" in config.measure:
+        log(f"T={seq_len}: forward (top-k routing), {config.repeats} timed calls each")
+        calls, compile_s = {}, {}
+        for name, m in models.items():
+            m.eval()
+            counted = counted_flops(lambda m=m, name=name: _no_grad_forward(m, tokens[name], device, config.dtype))
+            out[name].forward_flops_counted_per_seq = sum(counted.values()) // batch
+            out[name].forward_flops_counted_by_op = {op: n // batch for op, n in counted.items()}
+            runner = torch.compile(m, dynamic=False) if config.compile else m
+            calls[name] = forward_call(runner, tokens[name], device, config.dtype)
+            if config.compile:
+                compile_s[name] = _first_call(calls[name])
+        samples = _interleaved(calls, config.warmup, config.repeats)
+        for name in models:
+            out[name].forward = _timing(samples[name]["forward"], batch * seq_len, compile_s.get(name))
+
+    if "train" in config.measure:
+        log(f"T={seq_len}: training step (forward + aux losses, backward, AdamW), {config.repeats} timed calls each")
+        calls, compile_s = {}, {}
+        for name, m in models.items():
+            trainee = copy.deepcopy(m)  # the optimiser changes the weights; the other measurements keep the originals
+            runner = torch.compile(trainee, dynamic=False) if config.compile else trainee
+            calls[name] = train_call(trainee, runner, tokens[name], device, config.dtype)
+            if config.compile:
+                compile_s[name] = _first_call(calls[name])
+        samples = _interleaved(calls, config.warmup, config.repeats)
+        for name in models:
+            out[name].train_step = _timing(samples[name]["train_step"], batch * seq_len, compile_s.get(name))
+        del calls
+        gc.collect()
+
+    if "decode" in config.measure:
+        log(f"T={seq_len}: causal prefill ({config.routing}) and {config.decode_tokens} decode steps, "
+            f"{config.repeats} timed calls each")
+        calls, kept = {}, {}
+        for name, m in models.items():
+            m.eval()
+            kept[name] = {}
+            calls[name] = decode_call(m, tokens[name], config.decode_tokens, config.routing, device, config.dtype,
+                                      kept[name])
+            prefill_flops, decode_flops = _counted_decode(m, tokens[name], config)
+            out[name].prefill_flops_counted_per_seq = prefill_flops // batch
+            out[name].decode_flops_counted_per_token = decode_flops // (batch * config.decode_tokens)
+        samples = _interleaved(calls, config.warmup, config.repeats)
+        for name, m in models.items():
+            out[name].prefill = _timing(samples[name]["prefill"], batch * seq_len)
+            out[name].decode = _timing(samples[name]["decode"], batch)
+            cache: DecoderCache = kept[name]["cache"]
+            out[name].kv_cache_bytes = cache.stored_bytes()
+            out[name].kv_cache_dense_bytes = cache.dense_equivalent_bytes()
+            held = cache.positions.sum().item()
+            out[name].processed_fraction = {f"block{layer}": cache.layers[layer].lengths.sum().item() / held
+                                            for layer in m.config.routed_layers()}
+    return out
+
+
+def _no_grad_forward(model: MoDDecoder, tokens: torch.Tensor, device: torch.device, dtype: str) -> None:
+    with torch.no_grad(), autocast(device, dtype):
+        model(tokens, "topk")
+
+
+def _counted_decode(model: MoDDecoder, tokens: torch.Tensor, config: ProfileConfig) -> tuple[int, int]:
+    """Counted FLOPs of the causal prefill and of all decode steps of one (untimed) decode call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = tokens.device
+    cache = DecoderCache.allocate(model.config, tokens.shape[0], tokens.shape[1] + config.decode_tokens, device,
+                                  TORCH_DTYPES[config.dtype])
+    generator = torch.Generator().manual_seed(tokens.shape[1])
+    new_tokens = torch.randint(0, model.config.vocab_size, (config.decode_tokens, tokens.shape[0]),
+                               generator=generator).to(device)
+    with torch.no_grad(), autocast(device, config.dtype):
+        prefill = sum(counted_flops(lambda: model(tokens, config.routing, cache=cache)).values())
+        with FlopCounterMode(display=False) as counter:
+            for step in range(config.decode_tokens):
+                model.decode_step(new_tokens[step], cache, config.routing)
+    return prefill, counter.get_total_flops()
+
+
+# --- peak memory in child processes -----------------------------------------------------------------------------
+
+
+def _save_for_children(models: dict[str, MoDDecoder], folder: Path) -> dict[str, str]:
+    from safetensors.torch import save_model
+
+    paths = {}
+    for name, m in models.items():
+        path = folder / f"{name}.safetensors"
+        save_model(m, str(path))
+        paths[name] = str(path)
+    return paths
+
+
+def _measure_memory(config: ProfileConfig, models: dict[str, MoDDecoder], weights: dict[str, str], seq_len: int,
+                    device: torch.device, out: dict[str, ModelProfile]) -> None:
+    kinds = {"forward": "forward", "train": "train_step", "decode": "decode"}
+    jobs = []
+    for name, m in models.items():
+        for measurement in config.measure:
+            spec = {"model": dataclasses.asdict(m.config), "weights": weights[name], "measurement": measurement,
+                    "batch_size": config.batch_size, "seq_len": seq_len, "seed": config.seed,
+                    "decode_tokens": config.decode_tokens, "routing": config.routing, "device": str(device),
+                    "dtype": config.dtype, "threads": torch.get_num_threads()}
+            jobs.append((name, kinds[measurement], spec))
+    # Memory does not depend on timing, so two children run at once to save wall time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        peaks = list(pool.map(lambda job: _run_memory_child(job[2]), jobs))
+    for (name, attribute, _), peak in zip(jobs, peaks, strict=True):
+        timing: Timing = getattr(out[name], attribute)
+        timing.peak_mem_bytes = peak
+        if attribute == "decode":
+            out[name].prefill.peak_mem_bytes = peak  # one call holds both: the prefill and the steps after it
+
+
+def _run_memory_child(spec: dict[str, Any]) -> int | None:
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", "from modcli.profiling import memory_child; memory_child()"],
+                          input=json.dumps(spec), capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the memory measurement process failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_mem_bytes"]
+
+
+def memory_child() -> None:
+    """Entry point of the child process: read a spec on stdin, print {"peak_mem_bytes": n or null} on stdout."""
+    spec = json.loads(sys.stdin.read())
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    model_config = ModelConfig(**spec["model"])
+    model = MoDDecoder(model_config)
+    from safetensors.torch import load_model
+
+    load_model(model, spec["weights"])
+    model = model.to(device).eval()
+    tokens = _tokens(model_config, spec["batch_size"], spec["seq_len"], spec["seed"], device)
+    if spec["measurement"] == "forward":
+        call = forward_call(model, tokens, device, spec["dtype"])
+    elif spec["measurement"] == "train":
+        call = train_call(model, model, tokens, device, spec["dtype"])
+    else:
+        call = decode_call(model, tokens, spec["decode_tokens"], spec["routing"], device, spec["dtype"])
+    state_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if device.type == "cuda":
+        peak = _peak_cuda(call, device)
+    elif device.type == "cpu":
+        peak = _peak_rss(call)
+    else:
+        peak = None  # no sound per-process peak for this device type
+    print(json.dumps({"peak_mem_bytes": None if peak is None else peak + state_bytes}))
+
+
+def _peak_cuda(call: Callable[[], Any], device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    for _ in range(2):  # the second training step also holds the optimizer state
+        call()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _peak_rss(call: Callable[[], Any]) -> int | None:
+    """Rise of the peak resident set while `call` runs twice; None where Linux's /proc interface is missing."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, so reusing them shows as a rise
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+        base = _proc_status_bytes("VmRSS")
+    except OSError:
+        return None
+    for _ in range(2):
+        call()
+    return _proc_status_bytes("VmHWM") - base
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+# --- ratios and the plot ----------------------------------------------------------------------------------------
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _ratios(model: ModelProfile, baseline: ModelProfile | None) -> dict[str, Ratio]:
+    if baseline is None:
+        return {}
+    ratio = {
+        "forward_flops": Ratio(_div(model.forward_flops_counted_per_seq, baseline.forward_flops_counted_per_seq),
+                               _div(model.forward_flops_per_seq, baseline.forward_flops_per_seq)),
+        "train_flops": Ratio(None, _div(model.train_flops_per_seq, baseline.train_flops_per_seq)),
+    }
+    ideal = {"forward": ratio["forward_flops"].ideal, "train_step": ratio["train_flops"].ideal,
+             "prefill": _div(model.prefill_flops_counted_per_seq, baseline.prefill_flops_counted_per_seq),
+             "decode": _div(model.decode_flops_counted_per_token, baseline.decode_flops_counted_per_token)}
+    for name, ideal_ratio in ideal.items():
+        mine, theirs = getattr(model, name), getattr(baseline, name)
+        if mine is None or theirs is None:
+            continue
+        ratio[f"{name}_latency"] = Ratio(_div(mine.latency_ms, theirs.latency_ms), ideal_ratio)
+        if mine.peak_mem_bytes is not None and theirs.peak_mem_bytes is not None:
+            ratio[f"{name}_peak_mem"] = Ratio(_div(mine.peak_mem_bytes, theirs.peak_mem_bytes))
+    if model.kv_cache_bytes is not None and baseline.kv_cache_bytes is not None:
+        ratio["kv_cache"] = Ratio(_div(model.kv_cache_bytes, baseline.kv_cache_bytes))
+    return ratio
+
+
+def write_plot(result: ProfileResult, path: str) -> None:
+    """Latency (forward, training step, prefill) and FLOPs per call against sequence length, both models.
+
+    One colour per measurement; solid lines are the model, dashed lines the baseline.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    seq_lens = [r.seq_len for r in result.results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    subjects = [("model", result.model.label, "-")]
+    if result.baseline is not None:
+        subjects.append(("baseline", result.baseline.label, "--"))
+    colours = {"forward": "C0", "train_step": "C1", "prefill": "C2"}
+    for key, label, style in subjects:
+        rows = [getattr(r, key) for r in result.results]
+        for measurement, colour in colours.items():
+            values = [getattr(row, measurement) for row in rows]
+            if all(v is not None for v in values):
+                left.plot(seq_lens, [v.latency_ms for v in values], style, color=colour, marker="o",
+                          label=f"{label} {measurement.replace('_', ' ')}")
+        right.plot(seq_lens, [row.forward_flops_per_seq * result.batch_size for row in rows], style,
+                   color=colours["forward"], marker="o", label=f"{label} forward")
+        right.plot(seq_lens, [row.train_flops_per_seq * result.batch_size for row in rows], style,
+                   color=colours["train_step"], marker="o", label=f"{label} training step")
+    left.set(ylabel="latency per call (ms, median)", title=f"latency, batch {result.batch_size}")
+    right.set(ylabel="FLOPs per call (analytic)", title="FLOPs")
+    for axis in (left, right):
+        axis.set(xscale="log", yscale="log", xlabel="sequence length T")
+        axis.set_xticks(seq_lens, [str(t) for t in seq_lens])
+        axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_major_formatter(ScalarFormatter())
+        axis.yaxis.set_minor_formatter(NullFormatter())
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    right.yaxis.get_major_formatter().set_scientific(True)
+    fig.suptitle(f"modcli profile: {result.model.label} vs {result.baseline.label if result.baseline else '-'} on "
+                 f"{result.device_name} ({result.dtype}); solid = model, dashed = baseline", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _environment() -> dict[str, str]:
+    names = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "KMP_BLOCKTIME",
+             "CUDA_VISIBLE_DEVICES")
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def _load_avg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
