@@ -19,6 +19,7 @@ _EXPORTS = {
     "GenerateConfig": "modcli.generation", "generate": "modcli.generation",
     "MoDDecoder": "modcli.model", "train": "modcli.training",
     "ExportConfig": "modcli.export_bundle", "export": "modcli.export_bundle",
+    "ProfileConfig": "modcli.profiling", "profile": "modcli.profiling",
 }
 
 if TYPE_CHECKING:

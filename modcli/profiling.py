@@ -56,9 +56,10 @@ DECODE_ROUTINGS = ("router", "predictor")
 MEMORY_METHOD = (
     "peak_mem_bytes: each measurement runs twice in a fresh child process holding only that model. CPU: the "
     "model's parameter and buffer bytes plus the rise of the process's peak resident set (VmHWM, reset through "
-    "/proc/self/clear_refs after the model is built and freed heap memory is trimmed) while the calls run, so "
-    "weights, gradients, optimizer state, activations, KV cache and allocator slack are counted and the Python "
-    "and library footprint is not. CUDA: the same with torch.cuda.max_memory_allocated after "
+    "/proc/self/clear_refs once the model is built and freed heap memory is trimmed; glibc maps every block over "
+    "128 KiB on its own, so freed tensors leave the resident set) while the calls run: weights, gradients, "
+    "optimizer state, activations, KV cache, library buffers and some allocator slack are counted, the Python "
+    "and library code is not. CUDA: the same with torch.cuda.max_memory_allocated after "
     "reset_peak_memory_stats (tensor memory only, not the allocator's reserve). Other devices: not measured."
 )
 FLOPS_NOTE = (
@@ -606,6 +607,9 @@ def _measure_memory(config: ProfileConfig, models: dict[str, MoDDecoder], weight
 def _run_memory_child(spec: dict[str, Any]) -> int | None:
     package_root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    # glibc: every block over 128 KiB gets its own mapping, returned to the system when freed, so the resident set
+    # follows the live tensors instead of what the heap kept from earlier calls (the child is never timed).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     done = subprocess.run([sys.executable, "-c", "from modcli.profiling import memory_child; memory_child()"],
                           input=json.dumps(spec), capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:

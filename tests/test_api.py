@@ -11,10 +11,11 @@ def test_package_names_are_functions_even_after_the_submodules_are_imported():
     import modcli.evaluation
     import modcli.export_bundle
     import modcli.generation
+    import modcli.profiling
     import modcli.training  # noqa: F401
-    from modcli import evaluate, export, generate, train
+    from modcli import evaluate, export, generate, profile, train
 
-    for function in (train, evaluate, generate, export):
+    for function in (train, evaluate, generate, export, profile):
         assert callable(function) and not isinstance(function, types.ModuleType)
 
 
