@@ -106,6 +106,8 @@ class ProfileConfig:
     """Seed of the weights of freshly initialised models and of the token inputs."""
     plot: str | None = None
     """Write a PNG of latency and FLOPs against sequence length for both models (needs matplotlib)."""
+    onnx: list[str] = field(default_factory=list)
+    """Exported bundles (`modcli export`) to time through onnxruntime at the same shapes (e.g. MoD and dense)."""
 
     def __post_init__(self) -> None:
         require(self.checkpoint is None or self.model is None,
@@ -226,10 +228,17 @@ class ProfileResult:
     load_avg_end: list[float]
     wall_time_s: float
     plot: str | None = None
+    onnx: list[dict] = field(default_factory=list)
+    """Per --onnx bundle and sequence length: onnxruntime forward and decode-step latency (modcli_runtime)."""
 
 
 def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
     """Profile a model (and the model it is compared with) as `config` says."""
+    from modcli.export_bundle import time_bundle  # onnxruntime is imported only when --onnx is given
+
+    for bundle in config.onnx:
+        if not (Path(bundle) / "manifest.json").is_file():
+            raise UserError(f"--onnx: {bundle} is not a modcli export bundle (no manifest.json)")
     started = time.perf_counter()
     load_start = _load_avg()
     if config.plot:
@@ -271,6 +280,15 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
             results.append(SeqLenProfile(seq_len, per_model["model"], per_model.get("baseline"),
                                          _ratios(per_model["model"], per_model.get("baseline"))))
 
+    onnx = []
+    for bundle in config.onnx:
+        for seq_len in seq_lens:
+            log(f"T={seq_len}: onnxruntime timing of {bundle}")
+            onnx.append({"seq_len": seq_len, **time_bundle(
+                bundle, batch=config.batch_size, seq_len=seq_len, cache_tokens=seq_len, repeats=config.repeats,
+                warmup=max(1, config.warmup), provider="cuda" if device.type == "cuda" else "cpu",
+                threads=torch.get_num_threads(), seed=config.seed)})
+
     result = ProfileResult(
         device=str(device), device_name=device_name(device), dtype=config.dtype, torch_version=torch.__version__,
         threads=torch.get_num_threads(), batch_size=config.batch_size, repeats=config.repeats, warmup=config.warmup,
@@ -278,7 +296,7 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
         baseline=baseline_info, results=results,
         memory_method=MEMORY_METHOD if config.memory else "peak memory: not measured (--no-memory)",
         flops_note=FLOPS_NOTE, environment=_environment(), load_avg_start=load_start, load_avg_end=_load_avg(),
-        wall_time_s=time.perf_counter() - started, plot=config.plot)
+        wall_time_s=time.perf_counter() - started, plot=config.plot, onnx=onnx)
     if config.plot:
         write_plot(result, config.plot)
         log(f"wrote {config.plot}")

@@ -157,3 +157,21 @@ def test_plot_without_matplotlib_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with pytest.raises(UserError, match="--plot needs matplotlib"):
         profile(ProfileConfig(model=tiny_model_config(), plot="x.png", device="cpu"), quiet=True)
+
+
+def test_onnx_bundles_are_timed_beside_eager(trained_run, tmp_path_factory):
+    from tests.test_export import exported_bundle
+
+    bundle = exported_bundle(trained_run, tmp_path_factory.mktemp("bundles"))
+    result = invoke(str(trained_run), "--compare", "none", "--onnx", str(bundle), "--seq-len", "16",
+                    "--batch-size", "2", "--measure", "forward", "--repeats", "2", "--warmup", "0", "--no-memory",
+                    "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads(result.stdout)["onnx"]
+    assert entry["seq_len"] == 16 and entry["provider"] == "CPUExecutionProvider"
+    assert entry["forward"]["latency_ms"] > 0 and entry["decode"]["latency_ms"] > 0
+
+
+def test_onnx_flag_needs_a_bundle(tmp_path):
+    result = invoke(*TINY_FLAGS, "--seq-len", "16", "--onnx", str(tmp_path), "--no-memory", "--measure", "forward")
+    assert result.exit_code == 2 and "not a modcli export bundle" in result.stderr

@@ -42,6 +42,8 @@ def profile(
         "--memory/--no-memory", help="Measure peak memory (one fresh process per measurement).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of fresh weights and of the inputs.")] = 1337,
     plot: Annotated[Optional[str], typer.Option(help="Write latency and FLOPs against T to this PNG.")] = None,
+    onnx: Annotated[Optional[list[str]], typer.Option(
+        help="Also time this `modcli export` bundle through onnxruntime (repeat: MoD and dense bundles).")] = None,
     device: Device = "auto",
     dtype: Dtype = "float32",
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile forward and training step.")] = False,
@@ -66,7 +68,7 @@ def profile(
         checkpoint=checkpoint, model=model, compare=compare, seq_lens=lengths, batch_size=batch_size,
         repeats=repeats, warmup=warmup, measure=[m.strip() for m in measure.split(",") if m.strip()],
         decode_tokens=decode_tokens, routing=routing, device=device, dtype=dtype, compile=compile, memory=memory,
-        seed=seed, plot=plot))
+        seed=seed, plot=plot, onnx=onnx or []))
     if json_output:
         from modcli.reporting import print_json
         print_json(dataclasses.asdict(result))
@@ -76,6 +78,8 @@ def profile(
     out = stdout if stdout.is_terminal else Console(width=120)  # a pipe or file gets whole rows, not 80 columns
     for table in tables(result):
         out.print(table)
+    if result.onnx:
+        out.print(_onnx_table(result))
     out.print(f"[dim]{result.flops_note}\n{result.memory_method}[/]", highlight=False)
 
 
@@ -144,6 +148,26 @@ def _table(result, r):
         if m.processed_fraction:
             share = sum(m.processed_fraction.values()) / len(m.processed_fraction)
             row("processed share per routed block (causal)", share, None, lambda v: f"{v:.3f}")
+    return table
+
+
+def _onnx_table(result):
+    """onnxruntime latency per bundle, beside the eager numbers above; ratios against the first bundle."""
+    from rich.table import Table
+
+    table = Table(title=f"onnxruntime, batch {result.batch_size}; median (min) ms; ratio against the first bundle")
+    for column in ("bundle", "provider", "T", "forward ms", "forward ratio", "decode step ms", "decode ratio"):
+        table.add_column(column, justify="left" if column in ("bundle", "provider") else "right")
+    first = {}
+    for entry in result.onnx:
+        first.setdefault(entry["seq_len"], entry)
+        ref = first[entry["seq_len"]]
+        cells = [entry["bundle"], entry["provider"], str(entry["seq_len"])]
+        for graph in ("forward", "decode"):
+            timing, base = entry.get(graph), ref.get(graph)
+            cells.append(f"{timing['latency_ms']:.2f} ({timing['min_ms']:.2f})" if timing else "-")
+            cells.append(f"{timing['latency_ms'] / base['latency_ms']:.3f}" if timing and base else "-")
+        table.add_row(*cells)
     return table
 
 
