@@ -69,9 +69,6 @@ class LayerKVCache:
         per_token = 2 * self.keys.shape[1] * self.keys.shape[3] * self.keys.element_size()
         return int(self.lengths.sum()) * per_token
 
-    def allocated_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
 
 class DecoderCache:
     """The caches of every layer plus each sequence's next position."""
@@ -101,7 +98,3 @@ class DecoderCache:
         ref = self.layers[0]
         per_token = 2 * ref.keys.shape[1] * ref.keys.shape[3] * ref.keys.element_size()
         return int(self.positions.sum()) * per_token * len(self.layers)
-
-    def lengths(self) -> list[list[int]]:
-        """Per layer, per sequence: how many tokens the layer holds."""
-        return [layer.lengths.tolist() for layer in self.layers]

@@ -122,7 +122,3 @@ def mean_across_ranks(value: torch.Tensor, context: DistributedContext) -> torch
             value /= context.world_size
     return value
 
-
-def barrier(context: DistributedContext) -> None:
-    if context.enabled:
-        dist.barrier()
