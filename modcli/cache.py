@@ -64,18 +64,27 @@ class LayerKVCache:
             return self.keys[:, :, :span], self.values[:, :, :span], mask[:, None, None, :]
         return self.keys[rows, :, :span], self.values[rows, :, :span], mask[:, None, None, :]
 
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of K and V for one token of one sequence."""
+        return 2 * self.keys.shape[1] * self.keys.shape[3] * self.keys.element_size()
+
     def stored_bytes(self) -> int:
-        """Bytes of K and V actually held for the tokens this layer processed."""
-        per_token = 2 * self.keys.shape[1] * self.keys.shape[3] * self.keys.element_size()
-        return int(self.lengths.sum()) * per_token
+        """Bytes of K and V actually held for the tokens this layer processed (filled slots only)."""
+        return int(self.lengths.sum()) * self.bytes_per_slot
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the K and V buffers as allocated, filled or not (what the device really holds)."""
+        return self.keys.shape[0] * self.slots * self.bytes_per_slot
 
 
 class DecoderCache:
     """The caches of every layer plus each sequence's next position."""
 
-    def __init__(self, layers: list[LayerKVCache], positions: Tensor) -> None:
+    def __init__(self, layers: list[LayerKVCache], positions: Tensor, max_tokens: int) -> None:
         self.layers = layers
         self.positions = positions  # (B,) position of the next token of each sequence
+        self.max_tokens = max_tokens  # the most tokens a sequence may hold (a dense layer's preallocated slots)
 
     @classmethod
     def allocate(cls, config, batch: int, max_tokens: int, device: torch.device,
@@ -88,13 +97,21 @@ class DecoderCache:
             else:
                 slots = max_tokens
             layers.append(LayerKVCache(batch, config.n_heads, config.head_dim, slots, max_tokens, device, dtype))
-        return cls(layers, torch.zeros(batch, dtype=torch.long, device=device))
+        return cls(layers, torch.zeros(batch, dtype=torch.long, device=device), max_tokens)
 
     def stored_bytes(self) -> int:
+        """K/V bytes of the tokens each layer really processed (filled slots)."""
         return sum(layer.stored_bytes() for layer in self.layers)
 
+    def allocated_bytes(self) -> int:
+        """K/V bytes of the buffers as allocated (routed buffers grow by doubling, so some slots are empty)."""
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
     def dense_equivalent_bytes(self) -> int:
-        """What a dense model of the same shape would hold for the same tokens."""
-        ref = self.layers[0]
-        per_token = 2 * ref.keys.shape[1] * ref.keys.shape[3] * ref.keys.element_size()
-        return int(self.positions.sum()) * per_token * len(self.layers)
+        """What a dense model of the same shape would store for the same tokens."""
+        return int(self.positions.sum()) * self.layers[0].bytes_per_slot * len(self.layers)
+
+    def dense_equivalent_allocated_bytes(self) -> int:
+        """What `allocate` gives a dense model of the same shape: every layer preallocates `max_tokens` slots."""
+        batch = self.positions.shape[0]
+        return batch * self.max_tokens * self.layers[0].bytes_per_slot * len(self.layers)
