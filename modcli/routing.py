@@ -39,10 +39,23 @@ class Selection:
 
 
 def select_topk(router_logits: Tensor, k: int) -> Selection:
-    """Expert-choice top-k per sequence, indices sorted ascending (never argsort of the scores)."""
-    batch = router_logits.shape[0]
-    top = router_logits.topk(k, dim=1, sorted=False).indices  # (B, k)
-    selected_idx = top.sort(dim=1).values  # (B, k) causal order
+    """Expert-choice top-k per sequence; equal scores break ties by position, lower first (the ONNX TopK rule).
+
+    `torch.topk` leaves the order of equal values unspecified, and runs of identical bytes (indentation, triple quotes)
+    give bit-identical router logits at the k-th boundary, so the rule is spelt out with operations whose result
+    does not depend on how a kernel orders ties: the k-th largest value, every score above it, then the tied ones
+    from the left until k are chosen. The same code runs in eager PyTorch, torch.compile, torch.export and ONNX.
+    Indices come back sorted ascending (never argsort of the scores): causal order among the selected tokens.
+    """
+    batch, seq_len = router_logits.shape
+    kth = router_logits.topk(k, dim=1).values[:, -1:]  # (B, 1) the k-th largest score (a value: no tie ambiguity)
+    above = router_logits > kth  # (B, T)
+    tied = router_logits == kth  # (B, T)
+    room = k - above.sum(dim=1, keepdim=True)  # (B, 1) tied tokens still needed, >= 1
+    chosen = above | (tied & (tied.long().cumsum(dim=1) <= room))  # (B, T), exactly k per row
+    positions = torch.arange(seq_len, device=router_logits.device)
+    order_key = torch.where(chosen, positions, positions + seq_len)  # (B, T) chosen first, in order; all distinct
+    selected_idx = order_key.topk(k, dim=1, largest=False, sorted=True).indices  # (B, k) ascending
     counts = torch.full((batch,), k, dtype=torch.long, device=router_logits.device)
     return Selection(selected_idx, None, counts)
 

@@ -35,29 +35,41 @@ def test_exactly_k_tokens_change_and_the_rest_are_bit_for_bit_unchanged():
     assert torch.equal(out[~labels], x[~labels])
 
 
-def test_selected_indices_are_sorted_ascending():
-    scores = torch.randn(4, 50)
-    selection = select_topk(scores, 10)
-    assert torch.all(selection.selected_idx[:, 1:] > selection.selected_idx[:, :-1])
-    # They are the top-k set, whatever their order.
-    expected = scores.topk(10, dim=1).indices.sort(dim=1).values
-    assert torch.equal(selection.selected_idx, expected)
+def _brute_force_topk(scores: list[float], k: int) -> list[int]:
+    """The rule in plain Python: highest score first, equal scores by position (lower first), then ascending."""
+    ranked = sorted(range(len(scores)), key=lambda t: (-scores[t], t))
+    return sorted(ranked[:k])
 
 
-@settings(max_examples=40, deadline=None)
-@given(capacity=st.floats(min_value=0.001, max_value=1.0), seq_len=st.integers(min_value=1, max_value=5000))
-def test_capacity_rounding_rule(capacity, seq_len):
-    config = tiny_model_config(capacity=capacity)
-    k = config.capacity_tokens(seq_len)
-    num, den = config.capacity_fraction()
-    assert k == max(1, seq_len * num // den)
-    assert 1 <= k <= seq_len
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), seq_len=st.integers(min_value=1, max_value=40), batch=st.integers(min_value=1, max_value=3))
+def test_topk_selection_equals_brute_force_sorting_with_ties_to_the_lower_position(data, seq_len, batch):
+    # Scores from a handful of values, so most draws hold exact ties at the k-th boundary.
+    values = st.sampled_from([-1.5, 0.0, 0.25, 0.2500001, 2.0])
+    rows = [data.draw(st.lists(values, min_size=seq_len, max_size=seq_len)) for _ in range(batch)]
+    k = data.draw(st.integers(min_value=1, max_value=seq_len))
+    scores = torch.tensor(rows)  # float32: the brute force sees the same (rounded) values
+    selection = select_topk(scores, k)
+    assert selection.selected_idx.tolist() == [_brute_force_topk(row, k) for row in scores.tolist()]
+    assert selection.counts.tolist() == [k] * batch and selection.valid is None
 
 
-def test_capacity_rounding_is_exact_where_floats_are_not():
-    assert tiny_model_config(capacity=0.29).capacity_tokens(100) == 29  # 0.29 * 100 = 28.999... in floats
-    assert tiny_model_config(capacity=0.125).capacity_tokens(1024) == 128
-    assert tiny_model_config(capacity=0.125).capacity_tokens(7) == 1  # k >= 1
+def test_ties_at_the_boundary_go_to_the_lower_position():
+    scores = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1.0, 1.0], [1.0] * 8])
+    assert select_topk(scores, 2).selected_idx.tolist() == [[0, 5], [0, 1]]
+    assert select_topk(scores, 4).selected_idx.tolist() == [[0, 1, 2, 5], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("seq_len, capacity, k", [
+    (1024, 0.125, 128), (2048, 0.125, 256), (2049, 0.125, 256), (7, 0.125, 1), (8, 0.125, 1), (15, 0.125, 1),
+    (16, 0.125, 2), (1, 0.125, 1), (1, 1.0, 1), (5, 1.0, 5), (3, 0.5, 1), (10, 0.3, 3), (256, 0.5, 128),
+    (100, 0.29, 29),  # 0.29 * 100 = 28.999... in floats
+    (100, 0.57, 57),  # 0.57 * 100 = 56.999... in floats
+    (999, 0.3333333333, 333),  # read as 1/3; 999 * 0.3333333333 = 332.99999997
+    (5000, 0.001, 5), (999, 0.001, 1),
+])
+def test_capacity_rounding_rule_against_hand_computed_k(seq_len, capacity, k):
+    assert tiny_model_config(capacity=capacity).capacity_tokens(seq_len) == k
 
 
 def test_causal_selection_pads_to_the_largest_count_and_keeps_order():
