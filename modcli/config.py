@@ -152,7 +152,7 @@ class TrainConfig:
     max_steps: int = 300
     """Optimiser steps (also the length of the cosine schedule)."""
     flops_budget: float = 0.0
-    """Stop once this many training FLOPs (3 x forward) are spent; 0 = no budget."""
+    """Stop once this many training FLOPs (forward + backward, `modcli.flops.training_flops`) are spent; 0 = no budget."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norms, biases or embeddings)."""
     grad_clip: float = 1.0

@@ -56,23 +56,62 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False) ->
 
 
 def training_flops(config: ModelConfig, seq_len: int) -> int:
-    """FLOPs of one training sequence: forward + backward = 3 x forward (predictor included)."""
-    return 3 * flops(config, seq_len, include_predictor=True).total
+    """FLOPs of one training sequence: forward + backward, as torch.utils.flop_counter counts them.
+
+    A matmul's backward costs twice its forward (gradients of both operands), so about 3 x forward (predictor
+    included), with two corrections: attention's backward costs 2.5 x its forward (the fused kernels recompute the
+    q k^T scores), and the predictor reads a stop-gradient copy of the block input, so its first layer computes no
+    gradient for its input.
+    """
+    forward = flops(config, seq_len, include_predictor=True)
+    predictor_input_grad = 2 * seq_len * config.d_model * config.predictor_hidden * len(config.routed_layers())
+    attention_recompute = forward.attention_scores // 2
+    return 3 * forward.total + attention_recompute - (predictor_input_grad if forward.predictor else 0)
+
+
+def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tuple[int, int]],
+                      routing: str = "router") -> FlopBreakdown:
+    """FLOPs of one decode step (one new token for each of `batch` sequences), as `MoDDecoder.decode_step` runs it.
+
+    `layer_work[layer] = (rows, slots)`: how many rows the layer processed the token for, and how many cache slots
+    their attention reads (the cache's longest row including the new token: rows attend over one padded span). A
+    routed layer's router runs for every row (its logit is the decision or the weight), its predictor only with
+    `routing="predictor"`.
+    """
+    d, hidden = config.d_model, config.hidden
+    out = FlopBreakdown()
+    for layer in range(config.n_layers):
+        rows, slots = layer_work[layer]
+        out.attention_proj += rows * (2 * d * 3 * d + 2 * d * d)
+        out.attention_scores += rows * 2 * 2 * slots * d
+        out.mlp += rows * (2 * d * 2 * hidden + 2 * hidden * d)
+        if config.is_routed(layer):
+            out.router += batch * 2 * d
+            if routing == "predictor" and config.predictor_hidden:
+                out.predictor += batch * (2 * d * config.predictor_hidden + 2 * config.predictor_hidden)
+    out.head += batch * 2 * d * config.vocab_size
+    return out
 
 
 def counted_flops(run_forward) -> dict[str, int]:
     """FLOPs that `torch.utils.flop_counter.FlopCounterMode` counts while `run_forward()` runs, by operator.
 
-    FlopCounterMode counts matmuls and attention only. Its registry lacks PyTorch's CPU flash-attention kernel,
-    so that kernel is mapped here to the same formula the counter uses for the CUDA attention kernels.
+    FlopCounterMode counts matmuls and attention only. Its registry lacks PyTorch's CPU flash-attention kernels
+    (forward and backward), so they are mapped here to the formulas the counter uses for the CUDA attention kernels.
+    Every FLOP count in modcli goes through this function.
     """
     import torch
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
     def cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
         return sdpa_flop_count(query_shape, key_shape, value_shape)
 
-    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa_flops}
+    def cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa_flops,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: cpu_sdpa_backward_flops}
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         run_forward()
     return {str(op).split(".")[-1]: int(n) for op, n in counter.get_flop_counts()["Global"].items()}

@@ -3,8 +3,9 @@
 What is measured, per model and per sequence length T, at batch size B:
 
 - FLOPs per sequence: forward analytic (`modcli.flops.flops`, top-k routing) and counted
-  (`torch.utils.flop_counter.FlopCounterMode` over a real forward pass); training FLOPs per sequence (3 x forward,
-  predictor included); FLOPs of the causal prefill and of one decode step, counted.
+  (`torch.utils.flop_counter.FlopCounterMode` over a real forward pass); training FLOPs per sequence, analytic
+  (`modcli.flops.training_flops`) and counted over forward + backward; FLOPs of the causal prefill and of one
+  decode step, counted.
 - Latency: forward (top-k routing, no grad), one training step as `modcli train` runs it (forward with the
   auxiliary routing losses, backward, gradient clipping, AdamW), the causal prefill of T tokens into a KV cache,
   and one decode step (`decode_step` with `--routing router|predictor`), averaged over `--decode-tokens` steps.
@@ -16,8 +17,10 @@ machine (other processes, clocks, caches) hits both. With `--compile` the first 
 reported as its compile time and never timed again.
 
 A model built from a config (no checkpoint) has untrained routers, whose causal yes/no would process about half of
-the tokens; each routed block's router (and predictor) bias is shifted so that it says yes to the top `capacity`
-share of its tokens on the profiling input, as a trained router does. A checkpoint's routers are used as trained.
+the tokens. At each measured T, before anything is timed, each routed block's router and predictor bias is shifted
+so that the causal rule (`--routing`) says yes to the top `capacity` share of the tokens, as a trained router does:
+block by block in causal routing, on calibration tokens drawn apart from the timed ones. Such runs are labelled
+"calibrated". A checkpoint's routers are used as trained.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ from modcli.reporting import stderr_console
 from modcli.runtime import TORCH_DTYPES, autocast, device_name, resolve_device, seed_everything
 
 MEASUREMENTS = ("forward", "train", "decode")
+CALIBRATION_SEED_OFFSET = 2**31
+"""Calibration tokens use seed + 2**31 + T; timed tokens use seed + T, so the two never coincide."""
 DECODE_ROUTINGS = ("router", "predictor")
 
 MEMORY_METHOD = (
@@ -66,7 +71,8 @@ FLOPS_NOTE = (
     "Analytic and counted FLOPs both count matmuls and attention (q k^T and scores v, the full T x T square even "
     "though a causal kernel may skip the masked half); neither counts element-wise work (RMSNorm, RoPE, softmax, "
     "SiLU, residual adds, sigmoid router weights), the embedding lookup, top-k/sort, gather/scatter or the "
-    "optimizer step. Training FLOPs are 3 x forward (backward = 2 x forward), predictor included."
+    "optimizer step. Training FLOPs are forward + backward: a matmul's backward is 2 x its forward, attention's "
+    "2.5 x (the scores are recomputed), and the predictor's stop-gradient input gets no gradient."
 )
 
 
@@ -152,10 +158,12 @@ class ModelProfile:
     forward_flops_per_seq: int
     """Analytic forward FLOPs of one sequence with top-k routing."""
     train_flops_per_seq: int
-    """Analytic training FLOPs of one sequence (3 x forward, predictor included)."""
+    """Analytic training FLOPs of one sequence (`modcli.flops.training_flops`: forward + backward)."""
     forward_flops_counted_per_seq: int | None = None
     """FlopCounterMode's count of the same forward pass."""
     forward_flops_counted_by_op: dict[str, int] = field(default_factory=dict)
+    train_flops_counted_per_seq: int | None = None
+    """Counted FLOPs of one training sequence (forward with the auxiliary losses, backward)."""
     prefill_flops_counted_per_seq: int | None = None
     """Counted FLOPs of the causal prefill (depends on how many tokens the routers let through)."""
     decode_flops_counted_per_token: int | None = None
@@ -166,9 +174,15 @@ class ModelProfile:
     decode: Timing | None = None
     """Latency of one decode step (all B sequences), the mean over --decode-tokens steps per timed call."""
     kv_cache_bytes: int | None = None
-    """K/V bytes held after T + --decode-tokens tokens (a routed block stores only the tokens it processed)."""
+    """K/V bytes stored after T + --decode-tokens tokens (filled slots: a routed block stores only the tokens it
+    processed)."""
+    kv_cache_allocated_bytes: int | None = None
+    """K/V bytes of the cache buffers as allocated after T + --decode-tokens tokens (routed buffers grow by doubling,
+    dense ones are preallocated for T + --decode-tokens)."""
     kv_cache_dense_bytes: int | None = None
-    """What a dense model of this shape holds for the same tokens."""
+    """What a dense model of this shape stores for the same tokens."""
+    kv_cache_dense_allocated_bytes: int | None = None
+    """What a dense model of this shape allocates for the same tokens."""
     processed_fraction: dict[str, float] = field(default_factory=dict)
     """Per routed block: the share of the T + --decode-tokens tokens it processed under causal routing."""
 
@@ -199,7 +213,8 @@ class ModelInfo:
     routed_layers: list[int]
     capacity: float
     routers_calibrated: bool
-    """True when untrained routers were shifted to process the capacity share (see the module docstring)."""
+    """True when untrained routers are shifted, at each measured T, to process the capacity share under the causal
+    rule (see the module docstring)."""
     config: dict[str, Any]
 
 
@@ -271,8 +286,14 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
 
     results = []
     with tempfile.TemporaryDirectory(prefix="modcli-profile-") as tmp:
-        weights = _save_for_children(models, Path(tmp)) if config.memory else {}
+        weights = {}
         for seq_len in seq_lens:
+            if info.routers_calibrated:
+                log(f"T={seq_len}: calibrating the untrained routers on separate tokens ({config.routing} rule, "
+                    f"capacity {model.config.capacity:g})")
+                _calibrate_routers(model, config, device, seq_len)
+            if config.memory and (info.routers_calibrated or not weights):
+                weights = _save_for_children(models, Path(tmp))
             per_model = _measure_seq_len(config, models, seq_len, device, log)
             if config.memory:
                 log(f"T={seq_len}: peak memory, one fresh process per measurement")
@@ -315,8 +336,7 @@ def _load_subject(config: ProfileConfig, device: torch.device) -> tuple[MoDDecod
     model_config = config.model or ModelConfig()
     seed_everything(config.seed)
     model = MoDDecoder(model_config).to(device).eval()
-    calibrated = _calibrate_routers(model, config, device)
-    return model, _info(model, "config", calibrated)
+    return model, _info(model, "config", calibrated=not model_config.dense)
 
 
 def _load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
@@ -347,25 +367,22 @@ def _info(model: MoDDecoder, source: str, calibrated: bool) -> ModelInfo:
 
 
 @torch.no_grad()
-def _calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.device) -> bool:
-    """Shift each untrained router's (and predictor's) bias so its causal yes/no keeps the top `capacity` share.
+def _calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.device, seq_len: int) -> None:
+    """Shift each untrained router's and predictor's bias so the causal rule keeps the top `capacity` share.
 
-    Block by block in order, because a block's router weights change what the next block sees. Top-k routing does
-    not change (a common shift keeps the ranking); only the causal decisions and the router weights do.
+    Block by block in order, running the model in the causal routing being profiled, because a block's decisions
+    and router weights change what the next block sees. The tokens are drawn apart from the timed ones. Top-k
+    routing does not change (a common shift keeps the ranking); the causal decisions and router weights do.
     """
-    if model.config.dense:
-        return False
-    seq_len = (config.seq_lens or [model.config.seq_len])[0]
-    tokens = _tokens(model.config, 1, seq_len, config.seed, device)
+    tokens = _tokens(model.config, 2, seq_len, config.seed + CALIBRATION_SEED_OFFSET, device)
     quantile = 1.0 - model.config.capacity
     for layer in model.config.routed_layers():
         block = model.blocks[layer]
-        _, records = model(tokens, "topk", return_records=True)
+        _, records = model(tokens, config.routing, return_records=True)
         record = next(r for r in records if r.layer == layer)
         block.router.bias -= torch.quantile(record.router_logits.float().flatten(), quantile)
         if block.predictor is not None and record.predictor_logits is not None:
             block.predictor.net[-1].bias -= torch.quantile(record.predictor_logits.float().flatten(), quantile)
-    return True
 
 
 def _tokens(model_config: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -529,6 +546,10 @@ def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_l
         calls, compile_s = {}, {}
         for name, m in models.items():
             trainee = copy.deepcopy(m)  # the optimiser changes the weights; the other measurements keep the originals
+            counted = counted_flops(lambda t=trainee, name=name: _forward_backward(t, tokens[name], device,
+                                                                                  config.dtype))
+            trainee.zero_grad(set_to_none=True)
+            out[name].train_flops_counted_per_seq = sum(counted.values()) // batch
             runner = torch.compile(trainee, dynamic=False) if config.compile else trainee
             calls[name] = train_call(trainee, runner, tokens[name], device, config.dtype)
             if config.compile:
@@ -557,7 +578,9 @@ def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_l
             out[name].decode = _timing(samples[name]["decode"], batch)
             cache: DecoderCache = kept[name]["cache"]
             out[name].kv_cache_bytes = cache.stored_bytes()
+            out[name].kv_cache_allocated_bytes = cache.allocated_bytes()
             out[name].kv_cache_dense_bytes = cache.dense_equivalent_bytes()
+            out[name].kv_cache_dense_allocated_bytes = cache.dense_equivalent_allocated_bytes()
             held = cache.positions.sum().item()
             out[name].processed_fraction = {f"block{layer}": cache.layers[layer].lengths.sum().item() / held
                                             for layer in m.config.routed_layers()}
@@ -569,22 +592,32 @@ def _no_grad_forward(model: MoDDecoder, tokens: torch.Tensor, device: torch.devi
         model(tokens, "topk")
 
 
+def _forward_backward(model: MoDDecoder, tokens: torch.Tensor, device: torch.device, dtype: str) -> None:
+    """The FLOP-bearing part of a training step (`train_call`): forward with the auxiliary losses, backward."""
+    model.train()
+    with autocast(device, dtype):
+        logits, records = model(tokens, "topk", return_records=True)
+        router_bce, predictor_bce = routing_losses(records)
+        total = lm_loss(logits, tokens.roll(-1, dims=1)) + router_bce.to(device) + predictor_bce.to(device)
+    total.backward()
+
+
 def _counted_decode(model: MoDDecoder, tokens: torch.Tensor, config: ProfileConfig) -> tuple[int, int]:
     """Counted FLOPs of the causal prefill and of all decode steps of one (untimed) decode call."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     device = tokens.device
     cache = DecoderCache.allocate(model.config, tokens.shape[0], tokens.shape[1] + config.decode_tokens, device,
                                   TORCH_DTYPES[config.dtype])
     generator = torch.Generator().manual_seed(tokens.shape[1])
     new_tokens = torch.randint(0, model.config.vocab_size, (config.decode_tokens, tokens.shape[0]),
                                generator=generator).to(device)
+    def decode_all() -> None:
+        for step in range(config.decode_tokens):
+            model.decode_step(new_tokens[step], cache, config.routing)
+
     with torch.no_grad(), autocast(device, config.dtype):
         prefill = sum(counted_flops(lambda: model(tokens, config.routing, cache=cache)).values())
-        with FlopCounterMode(display=False) as counter:
-            for step in range(config.decode_tokens):
-                model.decode_step(new_tokens[step], cache, config.routing)
-    return prefill, counter.get_total_flops()
+        decode = sum(counted_flops(decode_all).values())
+    return prefill, decode
 
 
 # --- peak memory in child processes -----------------------------------------------------------------------------
@@ -716,7 +749,8 @@ def _ratios(model: ModelProfile, baseline: ModelProfile | None) -> dict[str, Rat
     ratio = {
         "forward_flops": Ratio(_div(model.forward_flops_counted_per_seq, baseline.forward_flops_counted_per_seq),
                                _div(model.forward_flops_per_seq, baseline.forward_flops_per_seq)),
-        "train_flops": Ratio(None, _div(model.train_flops_per_seq, baseline.train_flops_per_seq)),
+        "train_flops": Ratio(_div(model.train_flops_counted_per_seq, baseline.train_flops_counted_per_seq),
+                             _div(model.train_flops_per_seq, baseline.train_flops_per_seq)),
     }
     ideal = {"forward": ratio["forward_flops"].ideal, "train_step": ratio["train_flops"].ideal,
              "prefill": _div(model.prefill_flops_counted_per_seq, baseline.prefill_flops_counted_per_seq),
@@ -730,6 +764,7 @@ def _ratios(model: ModelProfile, baseline: ModelProfile | None) -> dict[str, Rat
             ratio[f"{name}_peak_mem"] = Ratio(_div(mine.peak_mem_bytes, theirs.peak_mem_bytes))
     if model.kv_cache_bytes is not None and baseline.kv_cache_bytes is not None:
         ratio["kv_cache"] = Ratio(_div(model.kv_cache_bytes, baseline.kv_cache_bytes))
+        ratio["kv_cache_allocated"] = Ratio(_div(model.kv_cache_allocated_bytes, baseline.kv_cache_allocated_bytes))
     return ratio
 
 

@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 from modcli.cli import app
 from modcli.errors import UserError
-from modcli.flops import counted_flops, flops
 from modcli.model import MoDDecoder
 from modcli.profiling import ProfileConfig, profile
 from tests.conftest import tiny_model_config
@@ -59,6 +58,13 @@ def test_json_holds_every_field():
         assert row["ratio"][key]["measured"] > 0 and 0 < row["ratio"][key]["ideal"] < 1
     assert row["ratio"]["kv_cache"]["measured"] < 1  # routed blocks cache only what they processed
     assert row["model"]["kv_cache_bytes"] < row["model"]["kv_cache_dense_bytes"]
+    for side in ("model", "baseline"):
+        measured = row[side]
+        assert measured["kv_cache_allocated_bytes"] >= measured["kv_cache_bytes"]
+        assert measured["kv_cache_dense_allocated_bytes"] >= measured["kv_cache_dense_bytes"]
+        assert measured["train_flops_counted_per_seq"] == measured["train_flops_per_seq"]
+    assert row["baseline"]["kv_cache_allocated_bytes"] == row["baseline"]["kv_cache_dense_allocated_bytes"]
+    assert 0 < row["ratio"]["kv_cache_allocated"]["measured"] <= 1
 
 
 def test_table_sweep_and_plot(tmp_path):
@@ -67,34 +73,51 @@ def test_table_sweep_and_plot(tmp_path):
     result = invoke(*TINY_FLAGS, "--seq-lens", "16,32", "--no-memory", "--measure", "forward,train",
                     "--plot", str(plot))
     assert result.exit_code == 0, result.stderr
-    for text in ("T = 16", "T = 32", "ratio", "ideal (FLOPs)", "forward latency ms", "training step latency ms"):
+    for text in ("T = 16", "T = 32", "ratio", "ideal (FLOPs)", "forward latency ms", "training step latency ms",
+                 "(calibrated)", "calibrated at T = 16"):
         assert text in result.stdout
     assert "peak memory MiB" not in result.stdout and "decode step" not in result.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("seq_len", [32, 64])
-@pytest.mark.parametrize("dense", [False, True])
-def test_counted_and_analytic_flops_agree(seq_len, dense):
-    config = tiny_model_config(seq_len=seq_len)
-    if dense:
-        config = config.dense_twin()
-    model = MoDDecoder(config).eval()
-    tokens = torch.randint(0, config.vocab_size, (1, seq_len))
-    with torch.no_grad():
-        counted = sum(counted_flops(lambda: model(tokens, "topk")).values())
-    analytic = flops(config, seq_len).total
-    assert counted == pytest.approx(analytic, rel=0.05)
+def test_profile_counts_forward_training_and_decode_flops_like_the_analytic_formulas():
+    from modcli.flops import decode_step_flops
 
-
-def test_library_counts_match_analytic():
-    result = profile(ProfileConfig(model=tiny_model_config(), seq_lens=[48], batch_size=2, repeats=1, warmup=0,
-                                   measure=["forward"], memory=False, device="cpu"), quiet=True)
+    batch, seq_len, steps = 2, 24, 3
+    result = profile(ProfileConfig(model=tiny_model_config(), seq_lens=[seq_len], batch_size=batch, repeats=1,
+                                   warmup=0, decode_tokens=steps, memory=False, device="cpu"), quiet=True)
     row = result.results[0]
     for side in (row.model, row.baseline):
-        assert side.forward_flops_counted_per_seq == pytest.approx(side.forward_flops_per_seq, rel=0.05)
-    assert row.ratio["forward_flops"].measured == pytest.approx(row.ratio["forward_flops"].ideal, rel=0.05)
-    assert row.model.train_step is None and row.model.decode is None
+        assert side.forward_flops_counted_per_seq == side.forward_flops_per_seq
+        assert side.train_flops_counted_per_seq == side.train_flops_per_seq
+    # The dense twin's decode steps are known in advance: every row, every layer, T + step + 1 slots.
+    config = tiny_model_config().dense_twin()
+    total = sum(decode_step_flops(config, batch, {layer: (batch, seq_len + step + 1)
+                                                  for layer in range(config.n_layers)}).total for step in range(steps))
+    assert row.baseline.decode_flops_counted_per_token == total // (batch * steps)  # attention included
+    assert row.ratio["forward_flops"].measured == pytest.approx(row.ratio["forward_flops"].ideal)
+    assert row.ratio["train_flops"].measured == pytest.approx(row.ratio["train_flops"].ideal)
+
+
+@torch.no_grad()
+def test_fresh_routers_are_calibrated_with_the_causal_rule_at_each_length():
+    from modcli.profiling import CALIBRATION_SEED_OFFSET, _calibrate_routers, _tokens
+
+    config = ProfileConfig(model=tiny_model_config(capacity=0.25), device="cpu", routing="router")
+    model = MoDDecoder(config.model).eval()
+    for seq_len in (32, 64):
+        _calibrate_routers(model, config, torch.device("cpu"), seq_len)
+        tokens = _tokens(model.config, 2, seq_len, config.seed + CALIBRATION_SEED_OFFSET, torch.device("cpu"))
+        _, records = model(tokens, "router", return_records=True)  # causal: each block sees the blocks before it
+        for record in records:
+            share = record.selection.counts.sum().item() / tokens.numel()
+            assert abs(share - 0.25) <= 1 / tokens.numel(), (seq_len, record.layer, share)
+    result = profile(ProfileConfig(model=tiny_model_config(capacity=0.25), seq_lens=[32, 64], batch_size=2,
+                                   repeats=1, warmup=0, measure=["decode"], decode_tokens=2, memory=False,
+                                   device="cpu"), quiet=True)
+    assert result.model.routers_calibrated
+    for row in result.results:  # other tokens than the calibration ones: near the capacity, not equal to it
+        assert all(0.1 < share < 0.45 for share in row.model.processed_fraction.values()), row.model.processed_fraction
 
 
 def test_checkpoint_against_another_checkpoint(trained_run, trained_dense_run):

@@ -102,11 +102,16 @@ def _table(result, r):
 
     compared = result.baseline is not None
     m, b = r.model, r.baseline
+    caption = [f"causal routing of prefill and decode: {result.routing}"] if m.decode else []
+    if result.model.routers_calibrated:
+        caption.append(f"untrained routers calibrated at T = {r.seq_len} on separate tokens ({result.routing} rule) "
+                       f"to process {result.model.capacity:g} of the tokens")
     table = Table(title=f"T = {r.seq_len}, batch {result.batch_size}, {result.device_name}, {result.dtype}; "
                         f"median of {result.repeats} (min-max), interleaved",
-                  caption=f"causal routing of prefill and decode: {result.routing}" if m.decode else None)
+                  caption="\n".join(caption) or None)
     table.add_column("metric")
-    table.add_column(result.model.label, justify="right")
+    table.add_column(result.model.label + (" (calibrated)" if result.model.routers_calibrated else ""),
+                     justify="right")
     if compared:
         table.add_column(result.baseline.label, justify="right")
         table.add_column("ratio", justify="right")
@@ -127,7 +132,11 @@ def _table(result, r):
     row("forward FLOPs/seq (analytic)", m.forward_flops_per_seq, get(b, "forward_flops_per_seq"), human)
     row("forward FLOPs/seq (counted)", m.forward_flops_counted_per_seq, get(b, "forward_flops_counted_per_seq"),
         human, "forward_flops")
-    row("training FLOPs/seq (3 x fwd)", m.train_flops_per_seq, get(b, "train_flops_per_seq"), human)
+    row("training FLOPs/seq (analytic)", m.train_flops_per_seq, get(b, "train_flops_per_seq"), human)
+    row("training FLOPs/seq (counted)", m.train_flops_counted_per_seq, get(b, "train_flops_counted_per_seq"), human,
+        "train_flops")
+    row("decode FLOPs/token (counted)", m.decode_flops_counted_per_token, get(b, "decode_flops_counted_per_token"),
+        human)
     for name, label in (("forward", "forward"), ("train_step", "training step"),
                         ("prefill", f"prefill ({result.routing})"), ("decode", "decode step")):
         mine, theirs = getattr(m, name), get(b, name)
@@ -143,8 +152,10 @@ def _table(result, r):
             row(f"peak memory MiB, {label}", mine.peak_mem_bytes, get(theirs, "peak_mem_bytes"), _mib,
                 f"{name}_peak_mem")
     if m.kv_cache_bytes is not None:
-        row(f"KV cache MiB after {r.seq_len}+{result.decode_tokens} tokens", m.kv_cache_bytes,
-            get(b, "kv_cache_bytes"), _mib, "kv_cache")
+        tokens = f"{r.seq_len}+{result.decode_tokens} tokens"
+        row(f"KV cache MiB stored after {tokens}", m.kv_cache_bytes, get(b, "kv_cache_bytes"), _mib, "kv_cache")
+        row(f"KV cache MiB allocated after {tokens}", m.kv_cache_allocated_bytes, get(b, "kv_cache_allocated_bytes"),
+            _mib, "kv_cache_allocated")
         if m.processed_fraction:
             share = sum(m.processed_fraction.values()) / len(m.processed_fraction)
             row("processed share per routed block (causal)", share, None, lambda v: f"{v:.3f}")
