@@ -322,7 +322,9 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
                               "reference": "eager PyTorch on the same checkpoint in the same dtype "
                                            "(forward: model(tokens, 'topk'); decode: modcli.generation's prefill and "
                                            "decode_step, greedy)",
-                              "checks": [_finite(dataclasses.asdict(c)) for c in checks], "failures": failures}
+                              "checks": [_finite(dataclasses.asdict(c)) for c in checks], "failures": failures,
+                              "ambiguous": [f"{c.graph} on {c.runner}, {c.case}: {c.detail}"
+                                            for c in checks if c.ambiguous]}
     manifest["files"] = _file_entries(tmp)
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, allow_nan=False))
     return ExportResult(bundle=str(out), valid=valid, atol=atol, dtype=config.dtype, routing=config.routing,

@@ -103,6 +103,50 @@ def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing):
     assert all(0 < cache.layers[layer].lengths.sum() < batch * steps for layer in routed)  # both branches used
 
 
+@torch.no_grad()
+def test_tied_router_scores_select_the_same_positions_in_eager_torch_export_and_onnx(tmp_path):
+    """A window opening with repeated bytes (a file's triple quote) gives bit-identical router logits at the k-th
+    boundary; every path must take the lower positions."""
+    import onnxruntime as ort
+
+    from modcli.export_lowering import export_onnx, export_program, forward_spec
+
+    torch.manual_seed(0)
+    # The first block is routed, so its router reads the embedding: equal bytes give bit-identical logits.
+    model = MoDDecoder(tiny_model_config(n_layers=2, route_every=2, route_offset=0, capacity=0.125)).eval()
+    quote = ord('"')
+    model.blocks[0].router.weight.copy_(10 * model.embed.weight[quote][None])  # '"' scores far above the rest
+    model.blocks[0].router.bias.zero_()
+    text = list(b'"""Tied scores at the k-th boundary."""\n')
+    tokens = torch.tensor([text[:16], text[:8] + text[:8]])  # (2, 16): k = 2 of three tied quotes
+    logits, records = model(tokens, "topk", return_records=True)
+    eager = records[0].selection.selected_idx
+    assert eager.tolist() == [[0, 1], [0, 1]]
+
+    spec = forward_spec(model)
+    program = export_program(spec)
+    exported = program.module()(tokens)
+    assert torch.equal(exported[1], eager)
+    path = tmp_path / "forward.onnx"
+    export_onnx(spec, program, path, 18)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    onnx_logits, onnx_selected = session.run(None, {"tokens": tokens.numpy()})
+    assert onnx_selected.tolist() == eager.tolist()
+    np.testing.assert_allclose(onnx_logits, logits.numpy(), atol=ATOL, rtol=0)
+
+
+def test_a_choice_that_differs_only_at_a_tie_is_ambiguous_not_failed():
+    from modcli.export_validation import topk_choice_is_ambiguous
+
+    scores = np.array([[1.0, 1.0, 1.0, 0.5, 2.0]])
+    reference = np.array([[0, 4]])
+    assert topk_choice_is_ambiguous(scores, reference, np.array([[1, 4]]), atol=1e-4)  # another of the tied ones
+    assert not topk_choice_is_ambiguous(scores, reference, np.array([[3, 4]]), atol=1e-4)  # 0.5 is no tie
+    near = np.array([[1.0, 1.00005, 0.2, 2.0]])
+    assert topk_choice_is_ambiguous(near, np.array([[1, 3]]), np.array([[0, 3]]), atol=1e-4)
+    assert not topk_choice_is_ambiguous(near, np.array([[1, 3]]), np.array([[0, 3]]), atol=1e-6)
+
+
 def test_validation_lengths_cover_every_rounding_of_k():
     config = tiny_model_config(capacity=0.125, seq_len=64)
     lengths = validation_lengths(config)
@@ -240,7 +284,7 @@ def test_a_validation_failure_exits_non_zero_and_marks_the_bundle_invalid(runner
     import modcli.export_validation as validation
 
     real = validation.eager_forward
-    monkeypatch.setattr(validation, "eager_forward", lambda model, tokens: (real(model, tokens)[0] + 1.0, []))
+    monkeypatch.setattr(validation, "eager_forward", lambda model, tokens: (real(model, tokens)[0] + 1.0, [], []))
     out = tmp_path / "bundle"
     result = runner.invoke(app, ["export", str(trained_dense_run), "--out", str(out), "--graph", "forward",
                                  "--provider", "cpu"])

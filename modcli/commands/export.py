@@ -70,8 +70,12 @@ def _print_report(result) -> None:
     for c in result.checks:
         mark = {None: "-", True: "same", False: "[red]differ[/]"}
         checks.add_row(c.graph, c.runner, c.case, f"{c.max_abs_diff:.2e}", mark[c.indices_match], mark[c.tokens_match],
-                       "[green]pass[/]" if c.passed else "[red]FAIL[/]")
+                       "[yellow]ambiguous[/]" if c.ambiguous else "[green]pass[/]" if c.passed else "[red]FAIL[/]")
     stdout.print(checks)
+    for c in result.checks:
+        if c.ambiguous:
+            stdout.print(f"[yellow]ambiguous[/] {c.graph} on {c.runner}, {c.case}: {c.detail}", highlight=False,
+                         soft_wrap=True)
     files = Table(title=f"bundle {result.bundle}")
     for column in ("graph", "kind", "file", "size", "seconds"):
         files.add_column(column, justify="right" if column in ("size", "seconds") else "left")
