@@ -156,3 +156,20 @@ def test_unknown_routing_mode_is_a_user_error():
 def test_config_validation_names_the_flag(kwargs, flag):
     with pytest.raises(UserError, match=flag):
         tiny_model_config(**kwargs)
+
+
+def test_auxiliary_labels_refuse_the_records_of_a_causal_forward():
+    from modcli.losses import routing_agreement, routing_losses
+
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config()).eval()
+    tokens = torch.randint(0, 256, (2, 32))
+    _, records = model(tokens, "topk", return_records=True)
+    router_bce, _ = routing_losses(records)  # top-k records: fine
+    assert router_bce > 0
+    _, causal = model(tokens, "router", return_records=True)
+    assert any(record.selection.valid is not None for record in causal)
+    with pytest.raises(ValueError, match="top-k forward"):
+        routing_losses(causal)
+    with pytest.raises(ValueError, match="top-k forward"):
+        routing_agreement(causal)
