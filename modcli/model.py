@@ -149,14 +149,21 @@ class Block(nn.Module):
         return self.predictor(x) > 0
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, routing: str, want_predictor: bool = False,
-                cache: LayerKVCache | None = None, cache_rows: Tensor | None = None,
+                cache: LayerKVCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
                 ) -> tuple[Tensor, RoutingRecord | None]:
-        """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D) and what the block routed."""
+        """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D) and what the block routed.
+
+        `lengths` (B,): rows are right-padded after their first `lengths` tokens (causal routing only). Padding
+        is never selected by a routed block, and a dense block's cache counts only the real tokens, so the
+        padded slots lie beyond each row's length and decode appends overwrite them.
+        """
         batch, seq_len, _ = x.shape
         if not self.routed:
             prefill = None
             if cache is not None:
-                prefill = (cache, cache_rows, torch.full((batch,), seq_len, device=x.device, dtype=torch.long))
+                counts = lengths if lengths is not None else torch.full(
+                    (batch,), seq_len, device=x.device, dtype=torch.long)  # (B,)
+                prefill = (cache, cache_rows, counts)
             return x + self.delta(x, cos[None], sin[None], prefill), None
 
         router_logits = self.router(x).squeeze(-1)  # (B, T)
@@ -164,10 +171,14 @@ class Block(nn.Module):
             want_predictor or routing == "predictor") else None
         if routing == "topk":
             selection = select_topk(router_logits, self.config.capacity_tokens(seq_len))
-        elif routing == "predictor" and predictor_logits is not None:
-            selection = select_causal(predictor_logits > 0)
         else:
-            selection = select_causal(self.decisions(x, router_logits, routing))
+            if routing == "predictor" and predictor_logits is not None:
+                decisions = predictor_logits > 0  # (B, T)
+            else:
+                decisions = self.decisions(x, router_logits, routing)  # (B, T)
+            if lengths is not None:  # padding comes after each row's tokens: never processed, never cached
+                decisions = decisions & (torch.arange(seq_len, device=x.device)[None, :] < lengths[:, None])
+            selection = select_causal(decisions)
         record = RoutingRecord(self.layer, router_logits, predictor_logits, selection)
 
         idx = selection.selected_idx  # (B, k)
@@ -192,6 +203,8 @@ class Block(nn.Module):
             cos, sin = rope_tables(positions[:, None], self.config.head_dim, self.config.rope_base)
             return x + self._decode_delta(x, cos, sin, cache, rows)
         router_logits = self.router(x).squeeze(-1)  # (B, 1)
+        # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
+        # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = self.decisions(x, router_logits, routing)[:, 0].nonzero().squeeze(1)  # (n,) processed rows
         if rows.numel() == 0:
             return x
@@ -232,14 +245,19 @@ class MoDDecoder(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens: Tensor, routing: str = "topk", *, return_records: bool = False,
-                cache: DecoderCache | None = None, cache_rows: Tensor | None = None):
+                cache: DecoderCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None):
         """tokens (B, T) -> logits (B, T, V); with `return_records`, also each routed block's RoutingRecord.
 
         `routing`: topk (training-time, non-causal), router or predictor (causal). With `cache` the K/V of
-        the tokens each block processes are written to rows `cache_rows` of the cache (prefill).
+        the tokens each block processes are written to rows `cache_rows` of the cache (prefill). `lengths`
+        (B,) right-pads row b after its first lengths[b] tokens (causal routing only): padding is never
+        processed by a routed block nor counted in the cache, each row's next position is its length, and
+        the logits at padded positions mean nothing (take row b's at lengths[b] - 1).
         """
         if routing not in ROUTING_MODES:
             raise UserError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
+        if lengths is not None and routing == "topk":
+            raise ValueError("padded rows (lengths) need causal routing: top-k would rank the padding")
         batch, seq_len = tokens.shape
         positions = torch.arange(seq_len, device=tokens.device)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_base)  # (T, hd/2)
@@ -249,11 +267,11 @@ class MoDDecoder(nn.Module):
             cache_rows = torch.arange(batch, device=tokens.device)
         for layer, block in enumerate(self.blocks):
             layer_cache = cache.layers[layer] if cache is not None else None
-            x, record = block(x, cos, sin, routing, return_records, layer_cache, cache_rows)
+            x, record = block(x, cos, sin, routing, return_records, layer_cache, cache_rows, lengths)
             if record is not None:
                 records.append(record)
         if cache is not None:
-            cache.positions[cache_rows] = seq_len
+            cache.positions[cache_rows] = seq_len if lengths is None else lengths
         logits = self.head(self.norm(x))  # (B, T, V)
         return (logits, records) if return_records else logits
 

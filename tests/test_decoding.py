@@ -38,6 +38,37 @@ def test_cached_decoding_equals_one_full_forward(routing, dense):
     torch.testing.assert_close(stepped, full[:, prefill_len - 1:], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("routing", ["router", "predictor"])
+@torch.no_grad()
+def test_padded_prefill_equals_prefilling_each_prompt_alone_and_decodes_like_the_full_forward(routing):
+    model = _model()
+    lengths = [5, 17, 11]
+    steps = 10
+    sequences = [torch.randint(0, 256, (length + steps,)) for length in lengths]
+    padded = torch.randint(0, 256, (3, max(lengths)))  # (B, T) the padding is random bytes: it must not matter
+    for row, length in enumerate(lengths):
+        padded[row, :length] = sequences[row][:length]
+    cache = DecoderCache.allocate(model.config, 3, max(lengths) + steps, torch.device("cpu"))
+    logits = model(padded, routing, cache=cache, lengths=torch.tensor(lengths))  # (B, T, V)
+    assert cache.positions.tolist() == lengths
+    for row, length in enumerate(lengths):
+        alone = DecoderCache.allocate(model.config, 1, length + steps, torch.device("cpu"))
+        expected = model(sequences[row][None, :length], routing, cache=alone)[0, -1]  # (V,)
+        torch.testing.assert_close(logits[row, length - 1], expected, atol=1e-5, rtol=0)
+        for layer in range(model.config.n_layers):
+            assert cache.layers[layer].lengths[row] == alone.layers[layer].lengths[0], (row, layer)
+
+    stepped = [[] for _ in lengths]
+    for t in range(steps):
+        next_tokens = torch.stack([sequences[row][length + t] for row, length in enumerate(lengths)])  # (B,)
+        step_logits = model.decode_step(next_tokens, cache, routing)  # (B, V)
+        for row in range(3):
+            stepped[row].append(step_logits[row])
+    for row, length in enumerate(lengths):
+        full = model(sequences[row][None], routing)[0]  # (T_row, V)
+        torch.testing.assert_close(torch.stack(stepped[row]), full[length:], atol=ATOL, rtol=0)
+
+
 @torch.no_grad()
 def test_routed_cache_length_equals_the_number_of_processed_tokens():
     model = _model()
