@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import codecs
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from modcli_runtime.generate import sampling_uniforms
 from torch import Tensor
 
 from modcli.cache import DecoderCache
@@ -67,43 +68,50 @@ class GenerateResult:
     processed_fraction: dict[str, float]
     """Per routed block: fraction of all tokens (prompt and generated) the block processed."""
     kv_cache_bytes: int
-    """Bytes of K/V held for the tokens each layer processed."""
+    """Bytes of K/V stored: filled slots, the tokens each layer processed."""
     dense_kv_cache_bytes: int
-    """What a dense model of the same shape would hold for the same tokens."""
+    """What a dense model of the same shape would store for the same tokens."""
     routing: str
 
 
-def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> Tensor:
-    """logits (B, V) -> next tokens (B,)."""
+def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, uniforms: Tensor | None) -> Tensor:
+    """logits (B, V), uniforms (B,) -> next tokens (B,), on the logits' device without a host sync.
+
+    The same rule as the runtime's `modcli_runtime.generate.sample` (numpy), token for token: greedy (argmax)
+    at temperature 0; else logits / temperature in float64 (float32 where the device has none, e.g. mps),
+    keep the top-k, keep the smallest set of tokens (by stably sorted descending logit) whose probability
+    reaches top-p, softmax, and token = min(#{cdf < u}, V - 1).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    vocab = logits.shape[-1]
+    dtype = torch.float32 if logits.device.type == "mps" else torch.float64
+    scaled = logits.to(dtype) / temperature  # (B, V)
     if top_k:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kth = scaled.topk(min(top_k, vocab), dim=-1).values[:, -1:]  # (B, 1)
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the token that crosses p
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # ties keep vocabulary order
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # keep the token that crosses p
+        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
+    below = cdf < uniforms.to(dtype)[:, None]  # (B, V)
+    return below.sum(dim=-1).clamp(max=vocab - 1)
 
 
-def prefill(model: MoDDecoder, prompts: list[bytes], cache: DecoderCache, routing: str, device: torch.device,
-            dtype: str) -> Tensor:
-    """Run each group of equal-length prompts through one causal forward that fills the cache -> (B, V)."""
-    last_logits = torch.empty(len(prompts), model.config.vocab_size, device=device)
-    by_length: dict[int, list[int]] = {}
+def prefill(model: MoDDecoder, prompts: Sequence[bytes | list[int]], cache: DecoderCache, routing: str,
+            device: torch.device, dtype: str) -> Tensor:
+    """One causal forward over the right-padded prompts that fills the cache -> each row's next logits (B, V)."""
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)  # (B,)
+    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)  # (B, T) padding after each prompt
     for row, prompt in enumerate(prompts):
-        by_length.setdefault(len(prompt), []).append(row)
-    for rows in by_length.values():
-        tokens = torch.tensor([list(prompts[r]) for r in rows], dtype=torch.long, device=device)  # (n, T)
-        row_index = torch.tensor(rows, device=device)
-        with autocast(device, dtype):
-            logits = model(tokens, routing, cache=cache, cache_rows=row_index)
-        last_logits[row_index] = logits[:, -1].float()
-    return last_logits
+        tokens[row, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
+    tokens, lengths = tokens.to(device), lengths.to(device)
+    with autocast(device, dtype):
+        logits = model(tokens, routing, cache=cache, lengths=lengths)  # (B, T, V)
+    rows = torch.arange(len(prompts), device=device)
+    return logits[rows, lengths - 1].float()  # (B, V) each row at its own last real token
 
 
 @torch.no_grad()
@@ -126,8 +134,12 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         stderr_console.print(f"[yellow]note: {max_tokens} tokens exceed the training context of "
                              f"{model.config.seq_len}; positions beyond it were never trained[/]")
     cache = DecoderCache.allocate(model.config, batch, max_tokens, device, TORCH_DTYPES[config.dtype])
-    generator = torch.Generator().manual_seed(config.seed)
-    outputs: list[list[int]] = [[] for _ in prompts]
+    uniforms = None
+    if config.temperature > 0:  # the runtime's stream, moved to the device once: (N, B)
+        uniforms = torch.from_numpy(sampling_uniforms(config.seed, config.max_new_tokens, batch)).to(device)
+        if device.type == "mps":
+            uniforms = uniforms.float()
+    new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
     start = time.perf_counter()
     logits = prefill(model, prompts, cache, config.routing, device, config.dtype)
@@ -135,15 +147,17 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for step in range(config.max_new_tokens):
-        next_tokens = sample(logits, config.temperature, config.top_k, config.top_p, generator)  # (B,)
-        for row, token in enumerate(next_tokens.tolist()):
-            outputs[row].append(token)
-            if on_bytes is not None:
+        step_uniforms = uniforms[step] if uniforms is not None else None
+        next_tokens = sample(logits, config.temperature, config.top_k, config.top_p, step_uniforms)  # (B,)
+        new_tokens[step] = next_tokens
+        if on_bytes is not None:  # streaming needs the tokens on the host now; otherwise they move once, below
+            for row, token in enumerate(next_tokens.tolist()):
                 on_bytes(row, bytes([token]))
         if step + 1 == config.max_new_tokens:
             break
         with autocast(device, config.dtype):
             logits = model.decode_step(next_tokens, cache, config.routing).float()
+    outputs = new_tokens.T.tolist()  # (B, N)
     _sync(device)
     decode_s = time.perf_counter() - start
 

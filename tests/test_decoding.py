@@ -70,6 +70,22 @@ def test_padded_prefill_equals_prefilling_each_prompt_alone_and_decodes_like_the
 
 
 @torch.no_grad()
+def test_generation_prefill_is_one_forward_for_prompts_of_different_lengths():
+    from modcli.generation import prefill
+
+    model = _model()
+    calls = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(args[0].shape), with_kwargs=True)
+    prompts = [b"def f(x):", [105, 109, 112], b"a"]  # bytes or lists of ints, as export validation passes them
+    cache = DecoderCache.allocate(model.config, 3, 16, torch.device("cpu"))
+    logits = prefill(model, prompts, cache, "router", torch.device("cpu"), "float32")  # (B, V)
+    assert calls == [torch.Size([3, 9])]
+    for row, prompt in enumerate(prompts):
+        alone = model(torch.tensor([list(prompt)]), "router")[0, -1]
+        torch.testing.assert_close(logits[row], alone, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
 def test_routed_cache_length_equals_the_number_of_processed_tokens():
     model = _model()
     tokens = torch.randint(0, 256, (2, 30))

@@ -70,6 +70,29 @@ def test_runtime_without_torch_generates_the_same_greedy_text_as_modcli_generate
     assert set(payload["processed_fraction"]) == {"block1", "block3"}
 
 
+def test_runtime_samples_the_same_text_as_modcli_generate_for_the_same_seed(bundle, trained_run):
+    """temperature 0.8, top-p 0.95: the same uniforms drive the same inverse-CDF rule on both sides."""
+    from modcli_runtime import load_bundle
+
+    from modcli.generation import GenerateConfig, generate
+
+    options = dict(max_new_tokens=40, temperature=0.8, top_p=0.95, seed=2024)
+    one = ["def f_3(x):\n    return"]
+    two = ["def f_3(x):\n    return", "x = "]  # different lengths: row 1 samples its i-th token at another step
+    streamed: list[bytes] = []
+    expected_one = generate(GenerateConfig(checkpoint=str(trained_run), prompts=one, device="cpu", **options),
+                            on_bytes=lambda row, data: streamed.append(data)).texts
+    expected_two = generate(GenerateConfig(checkpoint=str(trained_run), prompts=two, device="cpu", **options)).texts
+    assert b"".join(streamed).decode("utf-8", errors="replace") == expected_one[0]
+    assert expected_two != modcli_generate(trained_run, two, 40)  # really sampled, not greedy
+
+    assert load_bundle(bundle).generate(one, **options).texts == expected_one
+    result = run_without_torch(str(bundle), "--prompt", two[0], "--prompt", two[1], "--temperature", "0.8",
+                               "--top-p", "0.95", "--seed", "2024", "--max-new-tokens", "40", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["texts"] == expected_two
+
+
 def test_runtime_streams_one_prompt_to_stdout(bundle, trained_run):
     expected = modcli_generate(trained_run, ["def "], 24)[0]
     result = run_without_torch(str(bundle), "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "24")
@@ -97,7 +120,7 @@ def test_python_api_greedy_sampling_and_streaming(bundle, trained_run):
 def test_sampling_rules():
     from modcli_runtime import sample
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0)  # a Generator in place of the uniforms draws them
     logits = np.array([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 4.9]], dtype=np.float32)
     assert sample(logits, 0.0, 0, 1.0, rng).tolist() == [1, 0]
     assert sample(logits, 2.0, 1, 1.0, rng).tolist() == [1, 0]

@@ -21,23 +21,41 @@ from modcli_runtime.bundle import BundleError, CacheSpec
 StepFunction = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> np.ndarray:
-    """logits (B, V) -> next tokens (B,): greedy at temperature 0, else softmax sampling after top-k / top-p."""
+def sampling_uniforms(seed: int, max_new_tokens: int, batch: int) -> np.ndarray:
+    """The sampler's random stream, (max_new_tokens, B) in [0, 1): u[i, r] draws row r's i-th new token.
+
+    `modcli generate` uses this same array, so both pick the same tokens for the same --seed. It is indexed by
+    new-token number, not by step: here prompts of different lengths reach their i-th token at different steps.
+    """
+    return np.random.default_rng(seed).random((max_new_tokens, batch))
+
+
+def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+           uniforms: np.ndarray | np.random.Generator) -> np.ndarray:
+    """logits (B, V), uniforms (B,) -> next tokens (B,). The one sampling rule, also in `modcli.generation.sample`:
+
+    greedy (argmax) at temperature 0; else logits / temperature in float64, keep the top-k, keep the smallest
+    set of tokens (by stably sorted descending logit) whose probability reaches top-p, softmax, and
+    token = min(#{cdf < u}, V - 1). A Generator in place of `uniforms` draws them from it.
+    """
     if temperature == 0:
         return logits.argmax(axis=-1)
-    scaled = logits.astype(np.float64) / temperature
+    if isinstance(uniforms, np.random.Generator):
+        uniforms = uniforms.random(logits.shape[0])
+    vocab = logits.shape[-1]
+    scaled = logits.astype(np.float64) / temperature  # (B, V)
     if top_k:
-        kth = np.sort(scaled, axis=-1)[:, -min(top_k, scaled.shape[-1])][:, None]
+        kth = np.sort(scaled, axis=-1)[:, -min(top_k, vocab)][:, None]  # (B, 1)
         scaled = np.where(scaled < kth, -np.inf, scaled)
     if top_p < 1.0:
-        order = np.argsort(-scaled, axis=-1)
+        order = np.argsort(-scaled, axis=-1, kind="stable")  # (B, V) ties keep vocabulary order
         sorted_logits = np.take_along_axis(scaled, order, axis=-1)
         probs = _softmax(sorted_logits)
         drop = np.cumsum(probs, axis=-1) - probs >= top_p  # keep the token that crosses p
         np.put_along_axis(scaled, order, np.where(drop, -np.inf, sorted_logits), axis=-1)
-    probs = _softmax(scaled)
-    uniform = rng.random((probs.shape[0], 1))
-    return np.minimum((probs.cumsum(axis=-1) < uniform).sum(axis=-1), probs.shape[-1] - 1)
+    cdf = np.cumsum(_softmax(scaled), axis=-1)  # (B, V)
+    below = cdf < np.asarray(uniforms, dtype=np.float64).reshape(-1, 1)
+    return np.minimum(below.sum(axis=-1), vocab - 1)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -101,7 +119,7 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
     lengths = np.array([len(p) for p in encoded])
     steps = int(lengths.max()) + max_new_tokens - 1  # the last sampled token is never fed
     feeds = cache_spec.allocate(batch, steps)
-    rng = np.random.default_rng(seed)
+    uniforms = sampling_uniforms(seed, max_new_tokens, batch)  # (N, B)
     new_tokens: list[list[int]] = [[] for _ in encoded]
     kept_logits: list[list[np.ndarray]] = [[] for _ in encoded]
     processed = {layer: np.zeros(batch, dtype=np.int64) for layer in cache_spec.routed_layers}
@@ -126,8 +144,11 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
         if not sampling.any():
             continue
         logits = outputs["logits"].astype(np.float32)  # (B, V)
-        chosen = sample(logits, temperature, top_k, top_p, rng)  # (B,)
-        for row in np.flatnonzero(sampling):
+        rows = np.flatnonzero(sampling)  # (n,)
+        token_index = position - (lengths[rows] - 1)  # (n,) which new token of its row each one samples
+        chosen = np.zeros(batch, dtype=np.int64)
+        chosen[rows] = sample(logits[rows], temperature, top_k, top_p, uniforms[token_index, rows])
+        for row in rows:
             token = int(chosen[row])
             new_tokens[row].append(token)
             if return_logits:
