@@ -69,8 +69,12 @@ class GenerateResult:
     """Per routed block: fraction of all tokens (prompt and generated) the block processed."""
     kv_cache_bytes: int
     """Bytes of K/V stored: filled slots, the tokens each layer processed."""
+    kv_cache_allocated_bytes: int
+    """Bytes of the K/V buffers as allocated (routed buffers grow by doubling, so some slots stay empty)."""
     dense_kv_cache_bytes: int
     """What a dense model of the same shape would store for the same tokens."""
+    dense_kv_cache_allocated_bytes: int
+    """What a dense model of the same shape would allocate for the same generation."""
     routing: str
 
 
@@ -169,7 +173,8 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         new_tokens=batch * config.max_new_tokens, prefill_s=prefill_s, decode_s=decode_s,
         tokens_per_s=batch * config.max_new_tokens / max(prefill_s + decode_s, 1e-9),
         processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
-        dense_kv_cache_bytes=cache.dense_equivalent_bytes(), routing=config.routing)
+        kv_cache_allocated_bytes=cache.allocated_bytes(), dense_kv_cache_bytes=cache.dense_equivalent_bytes(),
+        dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=config.routing)
 
 
 def _sync(device: torch.device) -> None:

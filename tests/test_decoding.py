@@ -86,6 +86,25 @@ def test_generation_prefill_is_one_forward_for_prompts_of_different_lengths():
 
 
 @torch.no_grad()
+def test_generate_reports_stored_and_allocated_kv_cache_bytes():
+    from modcli.commands.generate import kv_cache_summary
+    from modcli.generation import GenerateConfig, generate
+
+    model = _model()
+    result = generate(GenerateConfig(checkpoint="-", prompts=["def f(x):", "a"], max_new_tokens=20, device="cpu"),
+                      model=model)
+    assert 0 < result.kv_cache_bytes <= result.kv_cache_allocated_bytes
+    assert 0 < result.dense_kv_cache_bytes <= result.dense_kv_cache_allocated_bytes
+    assert result.kv_cache_bytes < result.dense_kv_cache_bytes
+    config = model.config
+    slot_bytes = 2 * config.n_heads * config.head_dim * 4  # K and V of one token in one layer, float32
+    assert result.dense_kv_cache_allocated_bytes == 2 * (9 + 20) * slot_bytes * config.n_layers
+    summary = kv_cache_summary(result)
+    assert f"stored {result.kv_cache_bytes:,} B vs dense {result.dense_kv_cache_bytes:,} B" in summary
+    assert f"allocated {result.kv_cache_allocated_bytes:,} B vs dense {result.dense_kv_cache_allocated_bytes:,} B" in summary
+
+
+@torch.no_grad()
 def test_routed_cache_length_equals_the_number_of_processed_tokens():
     model = _model()
     tokens = torch.randint(0, 256, (2, 30))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from modcli.commands.common import Device, Dtype, Json, stderr, user_errors
+
+if TYPE_CHECKING:
+    from modcli.generation import GenerateResult
 
 
 @user_errors
@@ -47,9 +50,16 @@ def generate(
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()
-    saving = 1 - result.kv_cache_bytes / max(1, result.dense_kv_cache_bytes)
     fractions = " ".join(f"{k}={v:.3f}" for k, v in result.processed_fraction.items()) or "dense"
     stderr.print(f"{result.new_tokens} tokens, {result.tokens_per_s:.1f} tokens/s (prefill {result.prefill_s:.3f}s, "
-                 f"decode {result.decode_s:.3f}s), routing {result.routing}, processed {fractions}, KV cache "
-                 f"{result.kv_cache_bytes:,} bytes vs dense {result.dense_kv_cache_bytes:,} ({saving:.1%} saved)",
-                 highlight=False, soft_wrap=True)
+                 f"decode {result.decode_s:.3f}s), routing {result.routing}, processed {fractions}, "
+                 f"{kv_cache_summary(result)}", highlight=False, soft_wrap=True)
+
+
+def kv_cache_summary(result: GenerateResult) -> str:
+    """KV cache stored (filled slots) and allocated (buffers), each against the dense model's."""
+    def versus(ours: int, dense: int) -> str:
+        return f"{ours:,} B vs dense {dense:,} B ({1 - ours / max(1, dense):.1%} saved)"
+
+    return (f"KV cache stored {versus(result.kv_cache_bytes, result.dense_kv_cache_bytes)}, "
+            f"allocated {versus(result.kv_cache_allocated_bytes, result.dense_kv_cache_allocated_bytes)}")
