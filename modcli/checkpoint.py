@@ -1,8 +1,9 @@
 """Checkpoints: `step-NNNNNNNN/` folders written to a temporary folder, fsynced, then renamed into place.
 
 A folder holds model.safetensors, optimizer.pt, config.json (the whole resolved run config), state.json
-(step, tokens, FLOPs, RNG and sampler states) and a COMPLETE marker written last; a folder without the
-marker is ignored, so an interrupted save never hides the previous checkpoint.
+(step, tokens, FLOPs, every rank's RNG states, the float16 loss scaler and the sampler state) and a COMPLETE
+marker written last; a folder without the marker is ignored, so an interrupted save never hides the previous
+checkpoint.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 `torchrun` sets RANK, WORLD_SIZE and LOCAL_RANK; when WORLD_SIZE > 1 the process group is started with NCCL on
 CUDA and Gloo on the CPU. MoD routing is per sequence, so routed blocks need no communication: the only
-collectives are the gradient reduction of DDP/FSDP, the loss average for logging, and the checkpoint gather.
+collectives are the gradient reduction of DDP/FSDP, the loss average for logging, and the checkpoint gather
+(weights, optimizer, and every rank's RNG states).
 
 Checkpoints hold a gathered full state dict (model and optimizer keyed by parameter name), the same format as a
 single-process run, so a run can resume with any world size and either --parallel mode. Every rank reads the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,3 +124,12 @@ def mean_across_ranks(value: torch.Tensor, context: DistributedContext) -> torch
             value /= context.world_size
     return value
 
+
+
+def gather_to_main(value: Any, context: DistributedContext) -> list[Any] | None:
+    """Every rank's picklable `value`, indexed by rank, on rank 0 (None on the others); a collective."""
+    if not context.enabled:
+        return [value]
+    gathered: list[Any] | None = [None] * context.world_size if context.is_main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered

@@ -11,6 +11,7 @@ import math
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -131,6 +132,57 @@ def _decode_rng(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
+def rng_states(device: torch.device) -> dict[str, str]:
+    """This process' CPU RNG state and, on CUDA, its device's RNG state (base64, for state.json)."""
+    states = {"torch": _encode_rng(torch.get_rng_state())}
+    if device.type == "cuda":
+        states["cuda"] = _encode_rng(torch.cuda.get_rng_state(device))
+    return states
+
+
+def restore_rng_states(states: dict[str, str], device: torch.device) -> None:
+    """Undo `rng_states`; a CUDA state saved by a CPU run (or the reverse) leaves that generator as seeded."""
+    torch.set_rng_state(_decode_rng(states["torch"]))
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(_decode_rng(states["cuda"]), device)
+
+
+def gather_resume_state(scaler: torch.amp.GradScaler, context: DistributedContext) -> dict[str, Any] | None:
+    """The random state a resumed run needs to repeat this one exactly, for state.json (a collective).
+
+    On rank 0: {"rng": {"ranks": [per-rank CPU and CUDA RNG states, indexed by rank]}, "grad_scaler": the float16
+    loss scaler's state_dict ({} when --dtype is not float16; it is the same on every rank)}. None elsewhere.
+    """
+    states = distributed.gather_to_main(rng_states(context.device), context)
+    if states is None:
+        return None
+    return {"rng": {"ranks": states}, "grad_scaler": scaler.state_dict()}
+
+
+def restore_resume_state(state: dict[str, Any], scaler: torch.amp.GradScaler, context: DistributedContext,
+                         dropout: float) -> str | None:
+    """Load what `gather_resume_state` saved into this rank; returns a note for rank 0 to print, if any.
+
+    With the world size of the saved run each rank takes its own RNG states. A checkpoint written before
+    per-rank states holds only rank 0's CPU state (`rng.torch`); the other ranks then keep their fresh seeds. With
+    another world size every rank keeps its fresh seed, so dropout masks differ from an uninterrupted run.
+    """
+    rng = state.get("rng", {})
+    per_rank = rng.get("ranks", [{"torch": rng["torch"]}] if "torch" in rng else [])
+    saved_world = state.get("world_size", 1)
+    note = None
+    if saved_world == context.world_size:
+        if context.rank < len(per_rank):
+            restore_rng_states(per_rank[context.rank], context.device)
+    elif dropout > 0:
+        note = (f"note: the checkpoint was saved with world size {saved_world} and resumes with world size "
+                f"{context.world_size}: ranks start from fresh seeds, so dropout randomness differs from an "
+                "uninterrupted run")
+    if state.get("grad_scaler") and scaler.is_enabled():
+        scaler.load_state_dict(state["grad_scaler"])
+    return note
+
+
 @dataclass
 class _Prepared:
     """Everything a training run holds between steps."""
@@ -140,11 +192,13 @@ class _Prepared:
     wrapped: torch.nn.Module
     optimizer: torch.optim.AdamW
     sampler: BatchSampler
+    scaler: torch.amp.GradScaler
     step: int = 0
     tokens: int = 0
     flops: float = 0.0
     elapsed_before: float = 0.0
     last_checkpoint: Path | None = None
+    note: str | None = None
 
 
 def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
@@ -173,7 +227,8 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     wrapped = distributed.wrap_model(model, context, tc.parallel)
     optimizer = make_optimizer(model, tc)
     sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
-    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler)
+    scaler = torch.amp.GradScaler(context.device.type, enabled=tc.dtype == "float16")
+    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler)
     torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
     if resume_state is not None:
         set_optimizer_state_dict(model, optimizer, read_optimizer_state(existing[-1]),
@@ -182,8 +237,7 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
         prepared.flops, prepared.elapsed_before = resume_state["flops"], resume_state["elapsed_s"]
         prepared.last_checkpoint = existing[-1]
         sampler.load_state(resume_state["sampler"])
-        if context.is_main and resume_state.get("world_size", 1) == context.world_size:
-            torch.set_rng_state(_decode_rng(resume_state["rng"]["torch"]))
+        prepared.note = restore_resume_state(resume_state, scaler, context, mc.dropout)
     return prepared
 
 
@@ -209,7 +263,7 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
     per_step_flops = step_flops(config, context.world_size)
     global_batch = tc.batch_size * tc.grad_accum * context.world_size
     forward = torch.compile(run.wrapped) if tc.compile else run.wrapped
-    scaler = torch.amp.GradScaler(device.type, enabled=tc.dtype == "float16")
+    scaler = run.scaler
     metrics = MetricsLog(run_dir, resume_step=run.step if tc.resume else None) if context.is_main else None
     if not quiet:
         kind = "dense" if mc.dense else f"MoD capacity {mc.capacity} on blocks {mc.routed_layers()}"
@@ -218,6 +272,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
             f"{device}{parallel}; {steps} steps, global batch {global_batch} = {tc.batch_size} x {tc.grad_accum} "
             f"x {context.world_size} sequences of {mc.seq_len} tokens", highlight=False)
+        if run.note:
+            stderr_console.print(run.note, highlight=False)
     progress = StepProgress(steps, run.step, tc.log_every, quiet)
 
     session_start = time.perf_counter()
@@ -225,18 +281,20 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
     train_loss = val_loss = float("nan")
 
     def save() -> Path | None:
-        """Gather the full state (a collective under FSDP); rank 0 writes it."""
+        """Gather the full state and every rank's RNG states (collectives); rank 0 writes it."""
         optimizer_state = get_optimizer_state_dict(run.model, run.optimizer, options=FULL_STATE)
         model_state = get_model_state_dict(run.model, options=FULL_STATE) if context.enabled else None
+        resume_state = gather_resume_state(scaler, context)
         if not context.is_main:
             return run.last_checkpoint
         to_save = run.model
         if model_state is not None:  # sharded or replicated across ranks: save a plain CPU copy
-            to_save = MoDDecoder(mc)
+            with torch.random.fork_rng(devices=[]):  # its initialisation must not move the saved RNG on
+                to_save = MoDDecoder(mc)
             to_save.load_state_dict(model_state)
         state = {"step": run.step, "tokens": run.tokens, "flops": run.flops, "world_size": context.world_size,
                  "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
-                 "sampler": run.sampler.state(), "rng": {"torch": _encode_rng(torch.get_rng_state())}}
+                 "sampler": run.sampler.state(), **resume_state}
         return save_checkpoint(run_dir, run.step, to_save, optimizer_state, config, state, tc.keep)
 
     run.wrapped.train()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 TINY = ["--d-model", "32", "--n-layers", "4", "--n-heads", "4", "--seq-len", "32", "--eval-every", "4",
         "--eval-batches", "1", "--device", "cpu", "--warmup", "2", "--log-every", "2"]
@@ -21,7 +24,7 @@ def _run(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--standalone", "-m", "modcli", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60,
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120,
                           stdin=subprocess.DEVNULL)
 
 
@@ -35,6 +38,13 @@ def _assert_same_curve(a, b, atol=1e-5):
     for (step, loss, val), (_, ref, ref_val) in zip(a, b, strict=True):
         assert loss == pytest.approx(ref, abs=atol), f"step {step}"
         assert (val is None) == (ref_val is None) and (val is None or val == pytest.approx(ref_val, abs=atol))
+
+
+def _assert_same_weights(checkpoint: Path, reference: Path, atol: float = 1e-6) -> None:
+    got, want = load_file(checkpoint / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -60,3 +70,21 @@ def test_a_bad_data_path_ends_every_rank_with_one_message(tmp_path):
     result = _run(["--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "run"), *TINY], nproc=2)
     assert result.returncode != 0
     assert result.stderr.count("error: --data: no such file or folder") == 1
+
+
+def test_two_process_resume_with_dropout_reproduces_the_uninterrupted_run(tmp_path, corpus_file):
+    args = ["--data", str(corpus_file), "--max-steps", "8", "--batch-size", "2", "--dropout", "0.1", *TINY]
+    reference = tmp_path / "reference"
+    uninterrupted = _run([*args, "--out", str(reference)], nproc=2)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    state = json.loads((reference / "step-00000004" / "state.json").read_text())
+    assert len(state["rng"]["ranks"]) == 2 and state["rng"]["ranks"][0] != state["rng"]["ranks"][1]
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference, resumed)
+    shutil.rmtree(resumed / "step-00000008")
+    again = _run([*args, "--out", str(resumed), "--resume"], nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "dropout randomness differs" not in again.stderr
+    _assert_same_curve(_losses(resumed), _losses(reference), atol=1e-6)
+    _assert_same_weights(resumed / "step-00000008", reference / "step-00000008")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from modcli.checkpoint import complete_checkpoints, load_model_from, resolve_checkpoint
 from modcli.errors import TrainingDiverged, UserError
@@ -23,6 +26,13 @@ from tests.conftest import tiny_run_config
 
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_weights(checkpoint: Path, reference: Path, atol: float = 1e-6) -> None:
+    got, want = load_file(checkpoint / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_training_lowers_the_loss_and_writes_metrics_and_checkpoints(trained_run):
@@ -56,7 +66,8 @@ def test_checkpoint_round_trip_gives_the_same_logits(trained_run, tmp_path):
 def _start_training(out: Path, corpus: Path, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "modcli", "train", "--data", str(corpus), "--out", str(out), "--device", "cpu",
            "--d-model", "32", "--n-layers", "4", "--n-heads", "4", "--seq-len", "32", "--batch-size", "4",
-           "--max-steps", "300", "--eval-every", "20", "--eval-batches", "1", "--warmup", "5", "--keep", "2", *extra]
+           "--max-steps", "300", "--eval-every", "20", "--eval-batches", "1", "--warmup", "5", "--keep", "2",
+           "--dropout", "0.1", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
@@ -84,6 +95,85 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, corpus_f
         assert math.isclose(loss, ref_loss, rel_tol=0, abs_tol=1e-5), f"step {step}: {loss} != {ref_loss}"
         assert (val is None) == (ref_val is None)
     assert len(complete_checkpoints(killed)) == 2  # --keep 2
+    _assert_same_weights(killed / "step-00000300", reference / "step-00000300")
+
+
+def _dropout_config(corpus: Path, out: Path, **train_overrides):
+    config = tiny_run_config(corpus, out, max_steps=20, eval_every=10, eval_batches=1, **train_overrides)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.1))
+
+
+def test_resume_with_dropout_reproduces_the_uninterrupted_run(tmp_path, corpus_file):
+    reference = tmp_path / "reference"
+    train(_dropout_config(corpus_file, reference), quiet=True)
+    state = json.loads((reference / "step-00000010" / "state.json").read_text())
+    assert len(state["rng"]["ranks"]) == 1 and state["grad_scaler"] == {}  # float32: the scaler is off
+    want = [(r["step"], r["loss"], r.get("val_loss")) for r in _metrics(reference)]
+    for name in ("resumed", "old-state-json"):
+        copy = tmp_path / name
+        shutil.copytree(reference, copy)
+        shutil.rmtree(copy / "step-00000020")
+        if name == "old-state-json":  # written before per-rank states: rank 0's CPU RNG state only
+            state_path = copy / "step-00000010" / "state.json"
+            old = {**state, "rng": {"torch": state["rng"]["ranks"][0]["torch"]}}
+            del old["grad_scaler"]
+            state_path.write_text(json.dumps(old))
+        train(_dropout_config(corpus_file, copy, resume=True), quiet=True)
+        _assert_same_weights(copy / "step-00000020", reference / "step-00000020")
+        got = [(r["step"], r["loss"], r.get("val_loss")) for r in _metrics(copy)]
+        assert [g[0] for g in got] == [w[0] for w in want] == list(range(1, 21))
+        for (step, loss, val), (_, ref_loss, ref_val) in zip(got, want, strict=True):
+            assert loss == pytest.approx(ref_loss, abs=1e-6), f"{name} step {step}"
+            assert (val is None) == (ref_val is None) and (val is None or val == pytest.approx(ref_val, abs=1e-6))
+
+
+def test_rng_and_grad_scaler_states_round_trip_through_state_json():
+    from modcli.distributed import DistributedContext
+    from modcli.training import gather_resume_state, restore_resume_state
+
+    context = DistributedContext()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3, enabled=True)
+    scaler.scale(torch.ones(()))  # the scale tensor is created lazily
+    scaler.update(new_scale=256.0)
+    torch.manual_seed(123)
+    torch.rand(7)
+    saved = json.loads(json.dumps(gather_resume_state(scaler, context)))  # what state.json holds
+    expected = torch.rand(5)
+
+    torch.manual_seed(0)
+    fresh = torch.amp.GradScaler("cpu", enabled=True)
+    assert restore_resume_state(saved, fresh, context, dropout=0.1) is None
+    assert torch.equal(torch.rand(5), expected)
+    assert fresh.state_dict() == scaler.state_dict() and fresh.get_scale() == 256.0
+
+    disabled = torch.amp.GradScaler("cpu", enabled=False)  # float32 after float16: the saved scale is unused
+    restore_resume_state(saved, disabled, context, dropout=0.1)
+    assert disabled.state_dict() == {}
+    empty = torch.amp.GradScaler("cpu", enabled=True)  # float16 after float32: a fresh scaler
+    restore_resume_state({**saved, "grad_scaler": {}}, empty, context, dropout=0.1)
+    assert empty.get_scale() == 65536.0
+
+    torch.manual_seed(0)
+    note = restore_resume_state({**saved, "world_size": 2}, fresh, context, dropout=0.1)
+    assert "world size 2 and resumes with world size 1" in note and "dropout randomness differs" in note
+    assert not torch.equal(torch.rand(5), expected)  # another world size keeps the fresh seed
+    assert restore_resume_state({**saved, "world_size": 2}, fresh, context, dropout=0.0) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rng_state_round_trips_through_state_json():
+    from modcli.distributed import DistributedContext
+    from modcli.training import gather_resume_state, restore_resume_state
+
+    context = DistributedContext(device=torch.device("cuda", torch.cuda.current_device()))
+    scaler = torch.amp.GradScaler("cuda", enabled=True)
+    torch.manual_seed(123)
+    saved = json.loads(json.dumps(gather_resume_state(scaler, context)))
+    assert "cuda" in saved["rng"]["ranks"][0]
+    expected = torch.rand(5, device="cuda")
+    torch.manual_seed(0)
+    restore_resume_state(saved, scaler, context, dropout=0.1)
+    assert torch.equal(torch.rand(5, device="cuda"), expected)
 
 
 def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path, corpus_file, monkeypatch):

@@ -24,6 +24,7 @@ def train(
     route_offset: Annotated[Optional[int], typer.Option(help="Index of the first routed block.")] = None,
     router_weight: Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")] = None,
     predictor_hidden: Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")] = None,
+    dropout: Annotated[Optional[float], typer.Option(help="Dropout on attention and block deltas (training).")] = None,
     dense: Annotated[Optional[bool], typer.Option("--dense", help="Train the dense twin (routing off).")] = None,
     d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
     n_layers: Annotated[Optional[int], typer.Option(help="Number of blocks.")] = None,
