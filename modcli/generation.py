@@ -140,9 +140,10 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     cache = DecoderCache.allocate(model.config, batch, max_tokens, device, TORCH_DTYPES[config.dtype])
     uniforms = None
     if config.temperature > 0:  # the runtime's stream, moved to the device once: (N, B)
-        uniforms = torch.from_numpy(sampling_uniforms(config.seed, config.max_new_tokens, batch)).to(device)
-        if device.type == "mps":
+        uniforms = torch.from_numpy(sampling_uniforms(config.seed, config.max_new_tokens, batch))
+        if device.type == "mps":  # no float64 there
             uniforms = uniforms.float()
+        uniforms = uniforms.to(device)
     new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
     start = time.perf_counter()
