@@ -30,7 +30,7 @@ from modcli.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from modcli.config import RunConfig, TrainConfig
+from modcli.config import ModelConfig, RunConfig, TrainConfig
 from modcli.data import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.distributed import DistributedContext
 from modcli.errors import TrainingDiverged, UserError
@@ -45,14 +45,27 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 @dataclass
 class TrainResult:
-    """What a training run achieved; `modcli train` prints it as the summary table."""
+    """What a training run achieved; `modcli train` prints it as the summary table.
+
+    The validation keys are those of the evaluation records in metrics.jsonl. Top-k routing selects a token by
+    comparing it with later tokens, so its loss sees the future; `val_loss` is therefore the causal number.
+    A dense run writes only `val_loss` and `val_bits_per_byte` there (the other fields are None here).
+    """
 
     run_dir: str
     checkpoint: str
     steps: int
     train_loss: float
     val_loss: float
+    """Validation loss (nats/token) under causal routing: `router` mode for MoD; the only loss for dense."""
     val_bits_per_byte: float
+    """`val_loss` in bits per byte."""
+    val_loss_router: float | None
+    """MoD: loss when each routed block processes the tokens whose router logit is > 0 (causal; = val_loss)."""
+    val_loss_predictor: float | None
+    """MoD trained with a predictor (--predictor-hidden > 0): loss when the causal predictor decides."""
+    val_loss_topk: float | None
+    """MoD: loss under training-time top-k routing; non-causal (sees later tokens), a reference only."""
     tokens: int
     flops: float
     wall_time_s: float
@@ -93,24 +106,43 @@ def total_steps(config: RunConfig, world_size: int = 1) -> int:
     return config.train.max_steps
 
 
+def validation_modes(config: ModelConfig) -> list[str]:
+    """Routing modes evaluated during training, causal first: router, predictor (when trained), then top-k.
+
+    The dense twin has no routed block, so every mode is the same model: one evaluation.
+    """
+    if config.dense:
+        return ["router"]
+    return ["router", *(["predictor"] if config.predictor_hidden > 0 else []), "topk"]
+
+
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, corpus: Corpus, config: RunConfig, context: DistributedContext,
-                    routing: str = "topk") -> float:
-    """Mean loss over the fixed validation windows of the global batch; each rank evaluates its slice."""
+def validation_losses(model: torch.nn.Module, corpus: Corpus, config: RunConfig,
+                      context: DistributedContext) -> dict[str, float]:
+    """The validation keys of metrics.jsonl (see TrainResult): mean losses over the fixed validation windows of
+    the global batch, each routing mode on the same windows; each rank evaluates its slice."""
     tc, device = config.train, context.device
+    modes = validation_modes(config.model)
     model.eval()
-    losses = []
+    losses: dict[str, list[torch.Tensor]] = {mode: [] for mode in modes}
     for inputs, targets in evaluation_batches(corpus.val, config.model.seq_len, tc.batch_size * context.world_size,
                                               tc.eval_batches):
         mine = slice(context.rank * tc.batch_size, (context.rank + 1) * tc.batch_size)
-        with autocast(device, tc.dtype):
-            logits = model(inputs[mine].to(device), routing)
-        losses.append(lm_loss(logits, targets[mine].to(device)))
+        inputs, targets = inputs[mine].to(device), targets[mine].to(device)  # (b, T)
+        for mode in modes:
+            with autocast(device, tc.dtype):
+                logits = model(inputs, mode)  # (b, T, V)
+            losses[mode].append(lm_loss(logits, targets))
     model.train()
     module = getattr(model, "_orig_mod", model)
     if hasattr(module, "reshard"):  # FSDP2 keeps the root unsharded after a no-grad forward; undo that
         module.reshard()
-    return distributed.mean_across_ranks(torch.stack(losses).mean(), context).item()
+    means = torch.stack([torch.stack(losses[mode]).mean() for mode in modes]).float()  # (modes,)
+    by_mode = dict(zip(modes, distributed.mean_across_ranks(means, context).tolist(), strict=True))
+    result = {"val_loss": by_mode["router"], "val_bits_per_byte": bits_per_byte(by_mode["router"])}
+    if not config.model.dense:
+        result.update({f"val_loss_{mode}": loss for mode, loss in by_mode.items()})
+    return result
 
 
 def _check_resumable(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
@@ -278,7 +310,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
 
     session_start = time.perf_counter()
     session_tokens, train_time = 0, 0.0
-    train_loss = val_loss = float("nan")
+    train_loss = float("nan")
+    validation: dict[str, float] | None = None
 
     def save() -> Path | None:
         """Gather the full state and every rank's RNG states (collectives); rank 0 writes it."""
@@ -344,9 +377,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                 if run.step % tc.log_every == 0 or last_step:
                     record["routing"] = routing_agreement(records)
             if evaluate_now:
-                val_loss = validation_loss(forward, run.corpus, config, context)
-                record["val_loss"] = val_loss
-                record["val_bits_per_byte"] = bits_per_byte(val_loss)
+                validation = validation_losses(forward, run.corpus, config, context)
+                record.update(validation)
             if metrics is not None:
                 metrics.write(record)
             progress.update(run.step, f"loss {train_loss:.3f} tok/s {record['tokens_per_s']:.0f}")
@@ -359,11 +391,13 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         if metrics is not None:
             metrics.close()
 
-    if not math.isfinite(val_loss):  # nothing left to train (resumed at the end): evaluate what is there
-        val_loss = validation_loss(forward, run.corpus, config, context)
+    if validation is None:  # nothing left to train (resumed at the end): evaluate what is there
+        validation = validation_losses(forward, run.corpus, config, context)
     return TrainResult(
         run_dir=str(run_dir), checkpoint=str(run.last_checkpoint), steps=run.step, train_loss=train_loss,
-        val_loss=val_loss, val_bits_per_byte=bits_per_byte(val_loss), tokens=run.tokens, flops=run.flops,
+        val_loss=validation["val_loss"], val_bits_per_byte=validation["val_bits_per_byte"],
+        val_loss_router=validation.get("val_loss_router"), val_loss_predictor=validation.get("val_loss_predictor"),
+        val_loss_topk=validation.get("val_loss_topk"), tokens=run.tokens, flops=run.flops,
         wall_time_s=run.elapsed_before + time.perf_counter() - session_start,
         tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense,
         parameters=run.model.num_parameters(), world_size=context.world_size,

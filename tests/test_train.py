@@ -52,6 +52,60 @@ def test_training_lowers_the_loss_and_writes_metrics_and_checkpoints(trained_run
     assert state["step"] == 30 and state["tokens"] == 30 * 4 * 32
 
 
+VALIDATION_KEYS = {"val_loss", "val_bits_per_byte", "val_loss_router", "val_loss_predictor", "val_loss_topk"}
+
+
+def test_validation_metrics_hold_the_causal_loss_and_label_the_top_k_one(trained_run, trained_dense_run):
+    from modcli.losses import bits_per_byte
+
+    records = _metrics(trained_run)
+    evaluated = records[9]
+    assert VALIDATION_KEYS <= set(evaluated) and not VALIDATION_KEYS & set(records[8])
+    assert evaluated["val_loss"] == evaluated["val_loss_router"]  # the honest number is the causal one
+    assert evaluated["val_bits_per_byte"] == pytest.approx(bits_per_byte(evaluated["val_loss_router"]))
+    assert evaluated["val_loss_topk"] != evaluated["val_loss_router"]
+    dense = _metrics(trained_dense_run)[-1]
+    assert {key for key in dense if key.startswith("val_")} == {"val_loss", "val_bits_per_byte"}
+
+
+def _table_rows(output: str) -> list[str]:
+    return [" ".join(line.strip("│┃ ").split()) for line in output.splitlines()]
+
+
+def test_train_summary_lists_the_causal_loss_before_the_top_k_one(tmp_path, corpus_file):
+    from typer.testing import CliRunner
+
+    from modcli.cli import app
+
+    runner, wide = CliRunner(), {"COLUMNS": "200"}
+    tiny = ["--data", str(corpus_file), "--d-model", "32", "--n-layers", "4", "--n-heads", "4", "--seq-len", "32",
+            "--batch-size", "2", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--warmup", "1",
+            "--device", "cpu"]
+    mod = tmp_path / "mod"
+    result = runner.invoke(app, ["train", *tiny, "--out", str(mod)], env=wide)
+    assert result.exit_code == 0, result.output
+    rows = _table_rows(result.stdout)
+    labels = ["validation loss (causal, router)", "validation bits/byte (causal, router)",
+              "validation loss (causal, predictor)", "validation loss (top-k, non-causal reference)"]
+    where = [next(i for i, row in enumerate(rows) if row.startswith(label + " ")) for label in labels]
+    assert where == sorted(where), rows
+
+    # Resumed at its end, the run evaluates again: the JSON summary carries the same labelled losses.
+    result = runner.invoke(app, ["train", "--out", str(mod), "--resume", "--json"], env=wide)
+    assert result.exit_code == 0, result.output
+    summary, last = json.loads(result.stdout), _metrics(mod)[-1]
+    assert {key: summary[key] for key in VALIDATION_KEYS} == {key: last[key] for key in VALIDATION_KEYS}
+
+    dense = tmp_path / "dense"
+    result = runner.invoke(app, ["train", *tiny, "--dense", "--out", str(dense)], env=wide)
+    assert result.exit_code == 0, result.output
+    assert any(row.startswith("validation loss ") for row in _table_rows(result.stdout))
+    assert "causal" not in result.stdout and "top-k" not in result.stdout
+    result = runner.invoke(app, ["train", "--out", str(dense), "--resume", "--json"], env=wide)
+    summary = json.loads(result.stdout)
+    assert summary["val_loss"] > 0 and summary["val_loss_router"] is summary["val_loss_topk"] is None
+
+
 def test_checkpoint_round_trip_gives_the_same_logits(trained_run, tmp_path):
     from modcli import load_model
 

@@ -77,12 +77,20 @@ def train(
         print_json(dataclasses.asdict(result))
         return
     from modcli.reporting import human, key_value_table
+    if result.dense:
+        validation = [("validation loss", f"{result.val_loss:.4f}"),
+                      ("validation bits/byte", f"{result.val_bits_per_byte:.4f}")]
+    else:  # the causal loss first: top-k routing sees later tokens, so its loss is a reference only
+        validation = [("validation loss (causal, router)", f"{result.val_loss:.4f}"),
+                      ("validation bits/byte (causal, router)", f"{result.val_bits_per_byte:.4f}")]
+        if result.val_loss_predictor is not None:
+            validation.append(("validation loss (causal, predictor)", f"{result.val_loss_predictor:.4f}"))
+        validation.append(("validation loss (top-k, non-causal reference)", f"{result.val_loss_topk:.4f}"))
     stdout.print(key_value_table("training summary" + (" (dense)" if result.dense else " (MoD)"), [
         ("steps", str(result.steps)),
         ("parameters", f"{result.parameters:,}"),
         ("train loss", f"{result.train_loss:.4f}"),
-        ("validation loss", f"{result.val_loss:.4f}"),
-        ("validation bits/byte", f"{result.val_bits_per_byte:.4f}"),
+        *validation,
         ("tokens", f"{result.tokens:,}"),
         ("training FLOPs", human(result.flops)),
         ("wall time", f"{result.wall_time_s:.1f} s"),
