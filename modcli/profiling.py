@@ -56,6 +56,8 @@ from modcli.runtime import TORCH_DTYPES, autocast, device_name, resolve_device, 
 MEASUREMENTS = ("forward", "train", "decode")
 CALIBRATION_SEED_OFFSET = 2**31
 """Calibration tokens use seed + 2**31 + T; timed tokens use seed + T, so the two never coincide."""
+CALIBRATION_ROWS = 8
+"""Sequences of calibration tokens: the share a quantile keeps generalises better from more tokens."""
 DECODE_ROUTINGS = ("router", "predictor")
 
 MEMORY_METHOD = (
@@ -374,7 +376,7 @@ def _calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.d
     and router weights change what the next block sees. The tokens are drawn apart from the timed ones. Top-k
     routing does not change (a common shift keeps the ranking); the causal decisions and router weights do.
     """
-    tokens = _tokens(model.config, 2, seq_len, config.seed + CALIBRATION_SEED_OFFSET, device)
+    tokens = _tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET, device)
     quantile = 1.0 - model.config.capacity
     for layer in model.config.routed_layers():
         block = model.blocks[layer]

@@ -101,13 +101,14 @@ def test_profile_counts_forward_training_and_decode_flops_like_the_analytic_form
 
 @torch.no_grad()
 def test_fresh_routers_are_calibrated_with_the_causal_rule_at_each_length():
-    from modcli.profiling import CALIBRATION_SEED_OFFSET, _calibrate_routers, _tokens
+    from modcli.profiling import CALIBRATION_ROWS, CALIBRATION_SEED_OFFSET, _calibrate_routers, _tokens
 
     config = ProfileConfig(model=tiny_model_config(capacity=0.25), device="cpu", routing="router")
     model = MoDDecoder(config.model).eval()
     for seq_len in (32, 64):
         _calibrate_routers(model, config, torch.device("cpu"), seq_len)
-        tokens = _tokens(model.config, 2, seq_len, config.seed + CALIBRATION_SEED_OFFSET, torch.device("cpu"))
+        tokens = _tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET,
+                         torch.device("cpu"))
         _, records = model(tokens, "router", return_records=True)  # causal: each block sees the blocks before it
         for record in records:
             share = record.selection.counts.sum().item() / tokens.numel()

@@ -152,9 +152,9 @@ def _table(result, r):
             row(f"peak memory MiB, {label}", mine.peak_mem_bytes, get(theirs, "peak_mem_bytes"), _mib,
                 f"{name}_peak_mem")
     if m.kv_cache_bytes is not None:
-        tokens = f"{r.seq_len}+{result.decode_tokens} tokens"
-        row(f"KV cache MiB stored after {tokens}", m.kv_cache_bytes, get(b, "kv_cache_bytes"), _mib, "kv_cache")
-        row(f"KV cache MiB allocated after {tokens}", m.kv_cache_allocated_bytes, get(b, "kv_cache_allocated_bytes"),
+        tokens = f"{r.seq_len}+{result.decode_tokens}"
+        row(f"KV cache MiB stored ({tokens} tokens)", m.kv_cache_bytes, get(b, "kv_cache_bytes"), _mib, "kv_cache")
+        row(f"KV cache MiB allocated ({tokens})", m.kv_cache_allocated_bytes, get(b, "kv_cache_allocated_bytes"),
             _mib, "kv_cache_allocated")
         if m.processed_fraction:
             share = sum(m.processed_fraction.values()) / len(m.processed_fraction)
