@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_model
 
 from modcli.config import RunConfig
 from modcli.errors import UserError
@@ -114,11 +114,29 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
         raise UserError(f"{checkpoint}: unreadable state.json ({exc})") from None
 
 
+LEGACY_NAMES = (
+    # Before routers were pluggable (modcli.routing), a routed block held its router and predictor directly.
+    (re.compile(r"^(blocks\.\d+)\.router\.(weight|bias)$"), r"\1.router.score.\2"),
+    (re.compile(r"^(blocks\.\d+)\.predictor\."), r"\1.router.predictor."),
+)
+
+
 def load_weights(model: MoDDecoder, checkpoint: Path) -> None:
+    """Load model.safetensors into `model`; tensors named as before the router interface are renamed."""
+    from safetensors.torch import load_file
+
     try:
-        missing, unexpected = load_model(model, str(checkpoint / "model.safetensors"), strict=False)
-    except Exception as exc:  # safetensors raises several types for corrupt or mismatched files
+        state = load_file(str(checkpoint / "model.safetensors"))
+    except Exception as exc:  # safetensors raises several types for corrupt files
+        raise UserError(f"{checkpoint}: model.safetensors cannot be read ({exc})") from None
+    for pattern, replacement in LEGACY_NAMES:
+        state = {pattern.sub(replacement, name): tensor for name, tensor in state.items()}
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shape mismatches
         raise UserError(f"{checkpoint}: model.safetensors does not match its config.json ({exc})") from None
+    if model.config.tie_embeddings:  # the tied head is stored once, as the embedding
+        missing = [name for name in missing if name != "head.weight"]
     if missing or unexpected:
         raise UserError(f"{checkpoint}: weights do not match the config (missing {missing}, unexpected {unexpected})")
 

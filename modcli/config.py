@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from modcli.errors import UserError
+from modcli.routing.registry import ROUTERS
 
 ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
 ROUTING_MODES = ("topk", "router", "predictor")
@@ -45,8 +46,16 @@ class ModelConfig:
     """Every how many blocks one is routed (2 = every other block, the paper's choice; 0 = dense)."""
     route_offset: int = 1
     """Index of the first routed block (block i is routed when i % route_every == route_offset)."""
+    router: str = "topk"
+    """Router kind of the routed blocks (modcli.routing.registry): topk, random or threshold."""
     router_weight: str = "sigmoid"
     """How the router logit scales the block's delta: sigmoid, identity (the paper) or none (gating off)."""
+    router_hidden: int = 0
+    """Hidden width of an MLP router (0: one linear layer), for routers with parameters."""
+    threshold: float | None = None
+    """threshold router: a token is processed when sigmoid(router logit) > threshold (default 0.5)."""
+    capacity_max: float | None = None
+    """threshold router: most tokens per sequence in the static-shape mode (export, compile); default 2 x capacity."""
     predictor_hidden: int = 32
     """Hidden width of the causal predictor MLP per routed block; 0 trains no predictor."""
     dropout: float = 0.0
@@ -78,6 +87,18 @@ class ModelConfig:
             f"--router-weight must be one of {', '.join(ROUTER_WEIGHTS)}, got {self.router_weight!r}",
         )
         require(self.predictor_hidden >= 0, f"--predictor-hidden must be >= 0, got {self.predictor_hidden}")
+        require(self.router in ROUTERS, f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        require(self.router_hidden >= 0, f"--router-hidden must be >= 0, got {self.router_hidden}")
+        for option in ("threshold", "capacity_max"):
+            owner = next(kind for kind, spec in ROUTERS.items() if option in spec.options)
+            require(getattr(self, option) is None or self.router == owner,
+                    f"--{option.replace('_', '-')} is an option of --router {owner}, not of --router {self.router}")
+        require(self.threshold is None or 0.0 <= self.threshold < 1.0,
+                f"--threshold must be in [0, 1), got {self.threshold}")
+        require(self.capacity_max is None or 0.0 < self.capacity_max <= 1.0,
+                f"--capacity-max must be in (0, 1], got {self.capacity_max}")
+        require(self.router != "random" or self.router_hidden == 0,
+                "--router-hidden: the random router has no parameters")
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
 
@@ -158,7 +179,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     router_aux_weight: float = 0.1
-    """Weight of the auxiliary BCE loss that teaches the router's sign to match top-k (causal decoding)."""
+    """Weight of the router's auxiliary loss: for topk the BCE that teaches the router's sign to match top-k (causal
+    decoding), for threshold the capacity regulariser."""
+    router_lr_scale: float = 1.0
+    """Learning rate of the router parameters (and predictor) relative to --lr."""
+    capacity_warmup: int = 0
+    """Steps over which the capacity anneals linearly from 1.0 to --capacity (k is fixed within a step); 0 = off."""
     eval_every: int = 100
     """Evaluate and save a checkpoint every this many steps."""
     eval_batches: int = 8
@@ -193,6 +219,8 @@ class TrainConfig:
         require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         require(self.router_aux_weight >= 0, f"--router-aux-weight must be >= 0, got {self.router_aux_weight}")
+        require(self.router_lr_scale > 0, f"--router-lr-scale must be positive, got {self.router_lr_scale}")
+        require(self.capacity_warmup >= 0, f"--capacity-warmup must be >= 0, got {self.capacity_warmup}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         require(self.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {self.parallel!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

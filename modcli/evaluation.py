@@ -1,8 +1,9 @@
-"""`modcli eval`: validation loss, bits per byte and perplexity under each routing mode.
+"""`modcli eval`: validation loss, bits per byte and perplexity under each routing mode of the model's router.
 
-Top-k routing is the training-time rule and sees the future (token t's selection depends on later tokens), so
-its numbers are a reference only. The causal modes, `router` (router logit > 0) and `predictor` (predictor
-logit > 0), are what decoding can really do; their losses are the honest ones.
+A full-sequence mode (top-k, the training-time rule of the topk router) sees the future: token t's selection
+depends on later tokens, so its numbers are a reference only. The causal modes (for the topk router `router`,
+router logit > 0, and `predictor`, predictor logit > 0) are what decoding can really do; their losses are the
+honest ones. Each mode is listed with `causal: true|false`, from the router's capabilities.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from modcli.checkpoint import load_model_from
-from modcli.config import ROUTING_MODES, DataConfig, require
+from modcli.config import DataConfig, require
 from modcli.data import evaluation_batches, load_corpus
-from modcli.errors import UserError
 from modcli.losses import bits_per_byte, lm_loss, routing_agreement
 from modcli.runtime import autocast, resolve_device
-
-CAUSAL = {"topk": False, "router": True, "predictor": True, "dense": True}
 
 
 @dataclass
@@ -32,8 +30,8 @@ class EvalConfig:
     """Evaluate on this corpus' validation split instead of the one the model was trained on."""
     glob: str = "**/*"
     """File pattern when --data is a folder."""
-    routing: list[str] = field(default_factory=lambda: list(ROUTING_MODES))
-    """Routing modes to evaluate (topk is non-causal and reported as a reference)."""
+    routing: list[str] = field(default_factory=list)
+    """Routing modes to evaluate; empty = every mode of the model's router (non-causal ones as a reference)."""
     batches: int = 16
     """Validation batches."""
     batch_size: int = 8
@@ -46,8 +44,6 @@ class EvalConfig:
     def __post_init__(self) -> None:
         require(self.batches >= 1, f"--batches must be >= 1, got {self.batches}")
         require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
-        for mode in self.routing:
-            require(mode in ROUTING_MODES, f"--routing must be among {', '.join(ROUTING_MODES)}, got {mode!r}")
 
 
 @dataclass
@@ -69,7 +65,10 @@ class EvalResult:
     tokens: int
     results: list[ModeResult]
     agreement: dict[str, dict[str, dict[str, float]]]
-    """Per routed block, the causal rules against top-k: accuracy, precision, recall, processed fraction."""
+    """Per routed block, the router's statistics in its training mode (`Router.metrics`): for topk the causal rules
+    against top-k (accuracy, precision, recall, processed fraction)."""
+    router: str | None = None
+    """The router kind (None for a dense model)."""
 
 
 @torch.no_grad()
@@ -79,14 +78,13 @@ def evaluate(config: EvalConfig) -> EvalResult:
     seq_len = run_config.model.seq_len
     data = run_config.data if config.data is None else DataConfig(data=config.data, glob=config.glob)
     corpus = load_corpus(data, seq_len)
-    has_predictor = bool(run_config.model.predictor_hidden)
-    modes = list(config.routing)
+    for mode in config.routing:
+        model.check_routing(mode)
     if run_config.model.dense:
         modes = ["dense"]
-    elif "predictor" in modes and not has_predictor:
-        if config.routing != list(ROUTING_MODES):
-            raise UserError(f"--routing predictor: {checkpoint} was trained without a predictor")
-        modes.remove("predictor")
+    else:
+        modes = list(config.routing) or list(model.routing_modes())
+    caps = model.capabilities
 
     totals = {mode: 0.0 for mode in modes}
     processed = {mode: {} for mode in modes}
@@ -97,26 +95,26 @@ def evaluate(config: EvalConfig) -> EvalResult:
         n_batches += 1
         for mode in modes:
             with autocast(device, config.dtype):
-                logits, records = model(inputs, "topk" if mode == "dense" else mode, return_records=True)
+                logits, records = model(inputs, mode, return_records=True)
             totals[mode] += lm_loss(logits, targets).item()
             for record in records:
                 key = f"block{record.layer}"
                 fraction = record.selection.counts.sum().item() / inputs.numel()
                 processed[mode][key] = processed[mode].get(key, 0.0) + fraction
-            if mode == "topk":
+            if records and mode == model.training_mode:
                 _accumulate(agreement_sums, routing_agreement(records))
 
     results = []
     for mode in modes:
         loss = totals[mode] / n_batches
         results.append(ModeResult(
-            routing=mode, causal=CAUSAL[mode], loss=loss, bits_per_byte=bits_per_byte(loss),
+            routing=mode, causal=caps is None or caps.is_causal(mode), loss=loss, bits_per_byte=bits_per_byte(loss),
             perplexity=math.exp(loss), processed_fraction={k: v / n_batches for k, v in processed[mode].items()}))
     agreement = {block: {rule: {k: v / n_batches for k, v in stats.items()} for rule, stats in rules.items()}
                  for block, rules in agreement_sums.items()}
     state_step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
     return EvalResult(str(checkpoint), state_step, corpus.description, n_batches * config.batch_size * seq_len,
-                      results, agreement)
+                      results, agreement, None if run_config.model.dense else run_config.model.router)
 
 
 def _accumulate(total: dict, update: dict) -> None:

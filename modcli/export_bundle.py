@@ -76,8 +76,9 @@ class ExportConfig:
     """Also save torch.export ExportedPrograms (.pt2) and AOTInductor packages (.aoti.pt2) of both graphs."""
     graphs: list[str] = field(default_factory=lambda: list(GRAPHS))
     """Which graphs to export: forward (top-k, scoring) and/or decode (causal, what the runtime generates with)."""
-    routing: str = "router"
-    """Causal routing of the decode graph: router (router logit > 0) or predictor (predictor logit > 0)."""
+    routing: str | None = None
+    """Causal routing of the decode graph: a causal mode of the model's router (topk: router or predictor);
+    None = its first."""
     dtype: str = "float32"
     """Weights and activations of the exported graphs: float32, float16 or bfloat16."""
     provider: str = "auto"
@@ -100,9 +101,6 @@ class ExportConfig:
         require(bool(self.graphs) and all(g in GRAPHS for g in self.graphs),
                 f"--graph must be among {', '.join(GRAPHS)}, got {', '.join(map(repr, self.graphs)) or 'none'}")
         self.graphs = [g for g in GRAPHS if g in self.graphs]
-        require(self.routing in ("router", "predictor"),
-                f"--routing must be router or predictor (the decode graph routes causally; the forward graph always "
-                f"uses top-k), got {self.routing!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         require(self.provider in PROVIDERS, f"--provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
         require(not (self.onnx and self.dtype == "bfloat16"),
@@ -208,9 +206,13 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
     _check_out(out, config.force)
     _require_runtime()
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
-    if config.routing == "predictor" and not model.config.dense and not model.config.predictor_hidden:
-        raise UserError(f"--routing predictor: {checkpoint} was trained without a predictor "
-                        "(--predictor-hidden 0); use --routing router")
+    config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
+    model.check_routing(config.routing, causal=True)
+    if model.capabilities is not None:
+        refused = [graph for graph in config.graphs if graph not in model.capabilities.graphs]
+        if refused:
+            raise UserError(f"--graph {', '.join(refused)}: the {model.config.router} router cannot be exported to "
+                            f"that graph (it offers {', '.join(model.capabilities.graphs) or 'none'})")
     if config.onnx:
         import onnx
 

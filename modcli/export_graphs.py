@@ -1,21 +1,21 @@
 """Export-friendly views of a trained MoDDecoder: the forward graph and the decode-step graph.
 
-Both wrappers hold the model itself and call its own submodules (embedding, norms, `Block.router`,
-`Block.predictor`, `Block.delta`, `Attention._heads`/`proj`, `Block.mlp`, the LM head) and the routing helpers of
-modcli.routing, so the exported graphs use the trained weights and the same maths; what they change is only
-what a graph cannot express the eager way:
+Both wrappers hold the model itself and call its own code (the forward pass, `Block.router`, `Block.delta`,
+`Attention._heads`/`proj`, `Block.mlp`, the LM head) and `modcli.routing.selection.residual_update`, so the
+exported graphs use the trained weights and the same maths; what they change is only what a graph cannot express
+the eager way:
 
-- `ForwardGraph` (training-time top-k routing, non-causal): k = max(1, T * num // den) is computed inside the
-  graph with integer arithmetic from T, so one graph serves every T and B. TopK, a sort of the indices into
-  causal order, gather, the block on the k tokens, and an overwrite scatter (`x + w * f(x)` written at unique
-  positions; no scatter-add).
-- `DecodeStepGraph` (causal routing: router or predictor sign): one token per sequence and an explicit KV cache,
-  one preallocated (B, H, slots, hd) buffer pair and a (B,) length vector per layer, returned updated. A routed
-  block appends K/V only for the tokens it processes. Its work sits inside `torch.cond` (an ONNX `If`): when no
-  sequence of the batch processes the token the branch with the attention and MLP is not run at all. For B = 1
-  that is a real skip of every skipped token; for B > 1 the work is skipped only when every row skips, and when
-  some rows process the token all rows are computed and the skipped rows' results are discarded by a `where`
-  (their hidden state and cache stay bit for bit unchanged).
+- `ForwardGraph` (the router's static mode: top-k for topk and random, capped threshold for threshold): the
+  number of tokens kept, k = max(1, T * num // den), is computed inside the graph with integer arithmetic from T,
+  so one graph serves every T and B; then `MoDDecoder.forward` runs with that k (TopK, indices in causal order,
+  gather, the block on the k tokens, an overwrite scatter of `x + w * f(x)`).
+- `DecodeStepGraph` (a causal mode): one token per sequence and an explicit KV cache, one preallocated
+  (B, H, slots, hd) buffer pair and a (B,) length vector per layer, returned updated. A routed block appends K/V
+  only for the tokens it processes. Its work sits inside `torch.cond` (an ONNX `If`): when no sequence of the batch
+  processes the token the branch with the attention and MLP is not run at all. For B = 1 that is a real skip of
+  every skipped token; for B > 1 the work is skipped only when every row skips, and when some rows process the
+  token all rows are computed and the skipped rows' results are discarded (their hidden state and cache stay bit
+  for bit unchanged).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modcli.model import Block, MoDDecoder, rope_tables
-from modcli.routing import gather_tokens, scatter_tokens, select_topk
+from modcli.routing.selection import Selection, residual_update
 
 
 def capacity_from_length(positions: Tensor, num: int, den: int):
@@ -43,36 +43,31 @@ def capacity_from_length(positions: Tensor, num: int, den: int):
     return k
 
 
+def selected_positions(selection: Selection) -> Tensor:
+    """The forward graph's routing output (B, k): selected positions, ascending, -1 in padding slots."""
+    if selection.valid is None:
+        return selection.selected_idx
+    return torch.where(selection.valid, selection.selected_idx, torch.full_like(selection.selected_idx, -1))
+
+
 class ForwardGraph(nn.Module):
-    """tokens (B, T) -> logits (B, T, V), then each routed block's selected positions (B, k): top-k routing."""
+    """tokens (B, T) -> logits (B, T, V), then each routed block's selected positions (B, k) in the router's static
+    mode (`RouterCapabilities.static_mode`)."""
 
     def __init__(self, model: MoDDecoder) -> None:
         super().__init__()
         self.model = model
-        self.capacity_num, self.capacity_den = model.config.capacity_fraction()
+        self.mode = model.capabilities.static_mode if not model.config.dense else "dense"
+        routers = [block.router for block in model.blocks if block.router is not None]
+        self.num, self.den = routers[0].static_fraction(model.config.capacity) if routers else (1, 1)
 
     def forward(self, tokens: Tensor) -> tuple[Tensor, ...]:
-        model = self.model
-        config = model.config
-        seq_len = tokens.shape[1]
-        positions = torch.arange(seq_len, device=tokens.device)
-        cos, sin = rope_tables(positions, config.head_dim, config.rope_base)  # (T, hd/2)
-        k = capacity_from_length(positions, self.capacity_num, self.capacity_den) if not config.dense else 0
-        x = model.embed(tokens)  # (B, T, D)
-        selected = []
-        for block in model.blocks:
-            if not block.routed:
-                x = x + block.delta(x, cos[None], sin[None])
-                continue
-            router_logits = block.router(x).squeeze(-1)  # (B, T)
-            idx = select_topk(router_logits, k).selected_idx  # (B, k) ascending
-            x_selected = gather_tokens(x, idx)  # (B, k, D)
-            delta = block.delta(x_selected, cos[idx], sin[idx])  # (B, k, D)
-            weight = block.router_weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
-            x = scatter_tokens(x, idx, (x_selected + weight * delta).to(x.dtype))
-            selected.append(idx)
-        logits = model.head(model.norm(x))  # (B, T, V)
-        return (logits, *selected)
+        if self.model.config.dense:
+            return (self.model(tokens),)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        k = capacity_from_length(positions, self.num, self.den)
+        logits, records = self.model(tokens, self.mode, return_records=True, k=k)
+        return (logits, *(selected_positions(record.selection) for record in records))
 
 
 def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
@@ -110,8 +105,7 @@ class DecodeStepGraph(nn.Module):
 
     def __init__(self, model: MoDDecoder, routing: str) -> None:
         super().__init__()
-        if routing not in ("router", "predictor"):
-            raise ValueError(f"decode routing must be router or predictor, got {routing!r}")
+        model.check_routing(routing, causal=True)
         self.model = model
         self.routing = routing
 
@@ -129,14 +123,14 @@ class DecodeStepGraph(nn.Module):
                 x = x + delta.to(x.dtype)
                 new_cache += [keys, values, lengths + 1]
                 continue
-            router_logits = block.router(x).squeeze(-1)  # (B, 1)
-            decisions = block.decisions(x, router_logits, self.routing)[:, 0]  # (B,) causal yes/no
+            router_logits = block.router.logits(x, positions[:, None])  # (B, 1)
+            decisions = block.router.decide(x, router_logits, self.routing, positions[:, None],
+                                            config.capacity)[:, 0]  # (B,) causal yes/no
 
             def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block):
                 delta, keys, values = _decode_delta(block, x, cos, sin, keys, values, lengths, decisions)
-                weight = block.router_weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
-                updated = (x + weight * delta).to(x.dtype)
-                x = torch.where(decisions[:, None, None], updated, x)  # skipped rows: x bit for bit
+                weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
+                x = residual_update(x, delta, weight, keep=decisions[:, None, None])  # skipped rows: x bit for bit
                 return x, keys, values, lengths + decisions.to(lengths.dtype)
 
             def skip(x, cos, sin, keys, values, lengths, router_logits, decisions):

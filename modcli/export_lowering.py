@@ -27,9 +27,9 @@ from modcli.model import MoDDecoder
 
 MIN_OPSET = 18
 """The dynamo exporter's translation library targets opset 18 and later (opset 18 is also what we validate)."""
-FORWARD_NOTE = ("top-k routing (training-time, non-causal: whether a token is processed depends on later tokens); "
-                "for scoring whole sequences, not for decoding")
-DECODE_NOTE = ("causal routing ({routing} logit > 0), one token per sequence with an explicit KV cache; routed blocks "
+FORWARD_NOTE = ("{mode} routing: {rule}; a fixed number of tokens per T (non-causal: whether a token is processed "
+                "depends on later tokens); for scoring whole sequences, not for decoding")
+DECODE_NOTE = ("causal routing ({routing}: {rule}), one token per sequence with an explicit KV cache; routed blocks "
                "run inside an If: skipped entirely when no row of the batch processes the token (a real skip for "
                "batch 1), otherwise computed for every row with skipped rows left bit for bit unchanged")
 
@@ -68,7 +68,9 @@ def forward_spec(model: MoDDecoder) -> GraphSpec:
         dynamic_shapes=({0: Dim("batch", min=1), 1: Dim("seq", min=1)},),
         input_names=["tokens"], output_names=outputs, input_axes={"tokens": {0: "batch", 1: "seq"}},
         output_axes={f"selected.{layer}": {1: "capacity"} for layer in routed},
-        routing="topk" if routed else "dense", causal=not routed, note=FORWARD_NOTE if routed else "dense model")
+        routing=_static_mode(model), causal=not routed,
+        note=FORWARD_NOTE.format(mode=_static_mode(model), rule=_rule(model, _static_mode(model))) if routed
+        else "dense model")
 
 
 def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
@@ -102,7 +104,17 @@ def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
         name="decode", module=DecodeStepGraph(model, routing).eval(), args=(tokens, positions, *cache),
         dynamic_shapes=({0: batch}, {0: batch}, tuple(cache_shapes)), input_names=names, output_names=out_names,
         input_axes=axes, output_axes={}, routing=mode, causal=True,
-        note=DECODE_NOTE.format(routing=routing) if not config.dense else "dense model, one token per sequence")
+        note=DECODE_NOTE.format(routing=routing, rule=_rule(model, routing)) if not config.dense
+        else "dense model, one token per sequence")
+
+
+def _static_mode(model: MoDDecoder) -> str:
+    return model.capabilities.static_mode if model.capabilities is not None else "dense"
+
+
+def _rule(model: MoDDecoder, mode: str) -> str:
+    """The router's own description of a mode (e.g. "router logit > 0 ...")."""
+    return f"{model.config.router} router, " + model.capabilities.notes.get(mode, mode)
 
 
 @contextlib.contextmanager

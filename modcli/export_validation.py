@@ -119,9 +119,13 @@ def decode_cases(config: ModelConfig, text: np.ndarray, seed: int) -> list[tuple
 
 @torch.no_grad()
 def eager_forward(model: MoDDecoder, tokens: torch.Tensor) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-    """Logits (B, T, V), each routed block's selected positions (B, k) and router logits (B, T)."""
-    logits, records = model(tokens, "topk", return_records=True)
-    return (logits.float().numpy(), [r.selection.selected_idx.numpy() for r in records],
+    """Logits (B, T, V), each routed block's selected positions (B, k; -1 in padding slots) and router logits
+    (B, T), in the router's static mode (what the forward graph runs)."""
+    from modcli.export_graphs import selected_positions
+
+    mode = model.capabilities.static_mode if model.capabilities is not None else None
+    logits, records = model(tokens, mode, return_records=True)
+    return (logits.float().numpy(), [selected_positions(r.selection).numpy() for r in records],
             [r.router_logits.float().numpy() for r in records])
 
 
@@ -180,21 +184,25 @@ def _greedy_steps(model: MoDDecoder, cache, logits: torch.Tensor, batch: int, st
 
 @contextlib.contextmanager
 def decision_margin(model: MoDDecoder, routing: str):
-    """Tracks the smallest |logit| of the causal rule (router or predictor; yes when > 0) over every call of every
-    routed block while the context is open: `margin["closest"]`, inf when no routed block ran."""
+    """Tracks how close any causal routing decision came to flipping while the context is open: the smallest
+    `Router.boundary_distance` over every decision of every routed block, `margin["closest"]` (inf for exact
+    rules, or when no routed block ran)."""
     margin = {"closest": float("inf")}
+    routers = [block.router for block in model.blocks if block.router is not None]
+    for router in routers:
+        def recording(x, logits, mode, positions, capacity, predictor_logits=None, router=router,
+                      decide=router.decide):
+            distance = router.boundary_distance(x, logits, mode, positions, capacity, predictor_logits)
+            if distance.numel():
+                margin["closest"] = min(margin["closest"], float(distance.min()))
+            return decide(x, logits, mode, positions, capacity, predictor_logits)
 
-    def record(module, inputs, output) -> None:
-        if output.numel():
-            margin["closest"] = min(margin["closest"], float(output.detach().abs().min()))
-
-    deciders = [block.router if routing == "router" else block.predictor for block in model.blocks if block.routed]
-    handles = [decider.register_forward_hook(record) for decider in deciders if decider is not None]
+        router.decide = recording  # an instance attribute: shadows the method until removed below
     try:
         yield margin
     finally:
-        for handle in handles:
-            handle.remove()
+        for router in routers:
+            del router.decide
 
 
 # ----------------------------------------------------------------------------------------------- runners and comparisons

@@ -5,6 +5,10 @@ tokens only (k x k attention scores); the router runs on every token. Attention 
 `scaled_dot_product_attention` and `torch.utils.flop_counter` count it), not halved for causality. Element-wise
 work (norms, RoPE, softmax, SiLU, residual adds, gather/scatter) and the embedding lookup are not counted:
 they are a few percent at these sizes and FlopCounterMode does not count them either.
+
+A routed block is counted at its capacity: k = max(1, floor(capacity x T)) tokens. That is exactly what the
+full-sequence modes of `topk` and `random` process; a `threshold` router's share is learnt (the capacity is what
+its regulariser aims at), so for it the count is the target, and `modcli profile` measures the real one.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from modcli.config import ModelConfig
+from modcli.routing.registry import router_class
 
 
 @dataclass
@@ -34,12 +39,12 @@ class FlopBreakdown:
 
 
 def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> int:
-    """Tokens a block processes in a top-k forward pass of `seq_len` tokens."""
+    """Tokens a block processes in a forward pass of `seq_len` tokens at the configured capacity."""
     return config.capacity_tokens(seq_len) if config.is_routed(layer) else seq_len
 
 
 def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False) -> FlopBreakdown:
-    """Forward FLOPs per sequence of `seq_len` tokens with training-time (top-k) routing."""
+    """Forward FLOPs per sequence of `seq_len` tokens, routed blocks at their capacity."""
     d, hidden = config.d_model, config.hidden
     out = FlopBreakdown()
     for layer in range(config.n_layers):
@@ -48,9 +53,9 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False) ->
         out.attention_scores += 2 * 2 * n * n * d  # q k^T and (scores) v, over all heads
         out.mlp += 2 * n * d * 2 * hidden + 2 * n * hidden * d  # SwiGLU gate+up, down
         if config.is_routed(layer):
-            out.router += 2 * seq_len * d
-            if include_predictor and config.predictor_hidden:
-                out.predictor += 2 * seq_len * d * config.predictor_hidden + 2 * seq_len * config.predictor_hidden
+            router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
+            out.router += router
+            out.predictor += predictor
     out.head += 2 * seq_len * d * config.vocab_size
     return out
 
@@ -86,9 +91,9 @@ def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tup
         out.attention_scores += rows * 2 * 2 * slots * d
         out.mlp += rows * (2 * d * 2 * hidden + 2 * hidden * d)
         if config.is_routed(layer):
-            out.router += batch * 2 * d
-            if routing == "predictor" and config.predictor_hidden:
-                out.predictor += batch * (2 * d * config.predictor_hidden + 2 * config.predictor_hidden)
+            router, predictor = router_class(config.router).flops(config, batch, routing == "predictor")
+            out.router += router
+            out.predictor += predictor
     out.head += batch * 2 * d * config.vocab_size
     return out
 

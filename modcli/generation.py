@@ -14,7 +14,6 @@ from torch import Tensor
 from modcli.cache import DecoderCache
 from modcli.checkpoint import load_model_from
 from modcli.config import require
-from modcli.errors import UserError
 from modcli.model import MoDDecoder
 from modcli.reporting import stderr_console
 from modcli.runtime import TORCH_DTYPES, autocast, resolve_device
@@ -38,8 +37,8 @@ class GenerateConfig:
     """Nucleus sampling: the smallest set of bytes whose probability reaches p (1 = off)."""
     seed: int = 1337
     """Seed of the sampler."""
-    routing: str = "router"
-    """Causal routing: router (router logit > 0) or predictor (predictor logit > 0)."""
+    routing: str | None = None
+    """A causal mode of the model's router (e.g. router or predictor for topk); None = its first causal mode."""
     device: str = "auto"
     """auto, cpu, cuda or mps."""
     dtype: str = "float32"
@@ -54,8 +53,6 @@ class GenerateConfig:
         require(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
         require(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
         require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
-        require(self.routing in ("router", "predictor"),
-                f"--routing must be router or predictor for decoding (topk sees the future), got {self.routing!r}")
 
 
 @dataclass
@@ -125,8 +122,8 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     device = resolve_device(config.device)
     if model is None:
         model, _, _ = load_model_from(config.checkpoint, device)
-    if config.routing == "predictor" and not model.config.predictor_hidden and not model.config.dense:
-        raise UserError(f"--routing predictor: {config.checkpoint} was trained without a predictor")
+    routing = config.routing or (model.causal_modes() or ("dense",))[0]
+    model.check_routing(routing, causal=True)
     if config.compile:
         for block in model.blocks:
             block.mlp = torch.compile(block.mlp, dynamic=True)
@@ -147,7 +144,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
     start = time.perf_counter()
-    logits = prefill(model, prompts, cache, config.routing, device, config.dtype)
+    logits = prefill(model, prompts, cache, routing, device, config.dtype)
     _sync(device)
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -161,7 +158,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         if step + 1 == config.max_new_tokens:
             break
         with autocast(device, config.dtype):
-            logits = model.decode_step(next_tokens, cache, config.routing).float()
+            logits = model.decode_step(next_tokens, cache, routing).float()
     outputs = new_tokens.T.tolist()  # (B, N)
     _sync(device)
     decode_s = time.perf_counter() - start
@@ -175,7 +172,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         tokens_per_s=batch * config.max_new_tokens / max(prefill_s + decode_s, 1e-9),
         processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
         kv_cache_allocated_bytes=cache.allocated_bytes(), dense_kv_cache_bytes=cache.dense_equivalent_bytes(),
-        dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=config.routing)
+        dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Language-model loss, the auxiliary routing losses, and how well the causal rules agree with top-k."""
+"""Language-model loss, the routers' auxiliary losses, and their routing statistics."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modcli.model import RoutingRecord
-from modcli.routing import topk_labels
+from modcli.routing.base import RoutingRecord
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -23,54 +22,25 @@ def bits_per_byte(loss_nats: float) -> float:
 
 
 def routing_losses(records: list[RoutingRecord]) -> tuple[Tensor, Tensor]:
-    """Mean BCE of the router logits (paper method 1) and of the predictor logits (method 2) against top-k.
+    """The routers' auxiliary losses of one training pass, each the mean over routed blocks: (router loss, weighted
+    by --router-aux-weight; predictor loss, added as it is).
 
-    Labels are built per sequence from each block's top-k selection. The predictor sees a stop-gradient input,
-    so its loss trains only the predictor. Records of a causal forward are refused: their selections are padded
-    (padding slots hold unselected positions) and are the causal rule's own choice, not top-k's.
+    Each router kind defines its own (modcli.routing): for `topk` the BCE of the router logits (paper method 1) and
+    of the stop-gradient predictor (method 2) against the block's top-k choice, built per sequence; for `threshold`
+    the capacity regulariser; `random` has none. Records of a causal forward are refused where labels come from
+    top-k (their selections are padded and are the causal rule's own choice).
     """
-    zero = torch.zeros(())
-    router_terms, predictor_terms = [], []
-    for record in records:
-        labels = _topk_labels(record)  # (B, T)
-        router_terms.append(F.binary_cross_entropy_with_logits(record.router_logits.float(), labels))
-        if record.predictor_logits is not None:
-            predictor_terms.append(F.binary_cross_entropy_with_logits(record.predictor_logits.float(), labels))
-    router = torch.stack(router_terms).mean() if router_terms else zero
-    predictor = torch.stack(predictor_terms).mean() if predictor_terms else zero
+    if not records:
+        zero = torch.zeros(())
+        return zero, zero
+    terms = [record.router.losses(record) for record in records]
+    router = torch.stack([router for router, _ in terms]).mean()
+    predictor = torch.stack([predictor for _, predictor in terms]).mean()
     return router, predictor
-
-
-def _topk_labels(record: RoutingRecord) -> Tensor:
-    """(B, T) labels, 1 where top-k chose the token; only a top-k forward's records can give them."""
-    if record.selection.valid is not None:
-        raise ValueError(f"block {record.layer}: routing labels need the records of a top-k forward pass; these come "
-                         "from a causal one (padded selections would label padding slots as chosen)")
-    return topk_labels(record.selection.selected_idx, record.router_logits.shape[1])
-
-
-def _agreement(decisions: Tensor, labels: Tensor) -> dict[str, float]:
-    chosen = labels.bool()
-    true_pos = (decisions & chosen).sum().item()
-    return {
-        "accuracy": (decisions == chosen).float().mean().item(),
-        "precision": true_pos / max(1, decisions.sum().item()),
-        "recall": true_pos / max(1, chosen.sum().item()),
-        "processed_fraction": decisions.float().mean().item(),
-    }
 
 
 @torch.no_grad()
 def routing_agreement(records: list[RoutingRecord]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per routed block: accuracy, precision, recall and processed fraction of each causal rule against top-k.
-
-    The records must come from a top-k forward pass (their selections are the labels).
-    """
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for record in records:
-        labels = _topk_labels(record)
-        block = {"router": _agreement(record.router_logits > 0, labels)}
-        if record.predictor_logits is not None:
-            block["predictor"] = _agreement(record.predictor_logits > 0, labels)
-        out[f"block{record.layer}"] = block
-    return out
+    """Per routed block, the router's statistics of a training-mode pass (`Router.metrics`): for `topk` the
+    accuracy, precision, recall and processed fraction of each causal rule against top-k."""
+    return {f"block{record.layer}": record.router.metrics(record) for record in records}

@@ -8,23 +8,17 @@ weight. Every other token leaves the block bit for bit unchanged, and costs no a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modcli.cache import DecoderCache, LayerKVCache
-from modcli.config import ROUTING_MODES, ModelConfig
+from modcli.config import ModelConfig
 from modcli.errors import UserError
-from modcli.routing import (
-    ROUTER_WEIGHT_FUNCTIONS,
-    Selection,
-    gather_tokens,
-    scatter_tokens,
-    select_causal,
-    select_topk,
-)
+from modcli.routing.base import Router, RouterCapabilities, RoutingRecord
+from modcli.routing.registry import router_class
+from modcli.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal
 
 
 def rope_tables(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
@@ -91,34 +85,6 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class Predictor(nn.Module):
-    """Causal stand-in for top-k (paper method 2): a small MLP on a stop-gradient copy of the block input."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(config.d_model, config.predictor_hidden),
-            nn.SiLU(),
-            nn.Linear(config.predictor_hidden, 1),
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net(x.detach()).squeeze(-1)  # (B, T) logits; never sends gradient into the main model
-
-
-@dataclass
-class RoutingRecord:
-    """What a routed block decided, for the auxiliary losses and routing statistics."""
-
-    layer: int
-    router_logits: Tensor
-    """(B, T) router logits (the causal `router` rule processes a token when its logit > 0)."""
-    predictor_logits: Tensor | None
-    """(B, T) predictor logits, when the block has a predictor and they were asked for."""
-    selection: Selection
-    """The tokens the block processed in this forward pass."""
-
-
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -130,9 +96,7 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
         self.delta_dropout = nn.Dropout(config.dropout)
         self.routed = config.is_routed(layer)
-        self.router = nn.Linear(config.d_model, 1) if self.routed else None
-        self.predictor = Predictor(config) if self.routed and config.predictor_hidden else None
-        self.router_weight = ROUTER_WEIGHT_FUNCTIONS[config.router_weight]
+        self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
 
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None) -> Tensor:
         """f(x) of a pre-norm block: the attention update plus the MLP update, without the residual."""
@@ -140,22 +104,16 @@ class Block(nn.Module):
         mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update)))
         return attn_update + mlp_update
 
-    def decisions(self, x: Tensor, router_logits: Tensor, routing: str) -> Tensor:
-        """Causal per-token yes/no (..., T) from the router's or the predictor's sign."""
-        if routing == "router":
-            return router_logits > 0
-        if self.predictor is None:
-            raise UserError("--routing predictor needs a model trained with a predictor (--predictor-hidden > 0)")
-        return self.predictor(x) > 0
-
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, routing: str, want_predictor: bool = False,
                 cache: LayerKVCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
-                ) -> tuple[Tensor, RoutingRecord | None]:
+                capacity: float | None = None, k: int | None = None) -> tuple[Tensor, RoutingRecord | None]:
         """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D) and what the block routed.
 
-        `lengths` (B,): rows are right-padded after their first `lengths` tokens (causal routing only). Padding
-        is never selected by a routed block, and a dense block's cache counts only the real tokens, so the
-        padded slots lie beyond each row's length and decode appends overwrite them.
+        `routing` is one of the router's modes: a causal one decides token by token, a full-sequence one keeps a
+        fixed number of tokens, `k` (default from `capacity`, default the configured one). `lengths` (B,): rows
+        are right-padded after their first `lengths` tokens (causal routing only). Padding is never selected by a
+        routed block, and a dense block's cache counts only the real tokens, so the padded slots lie beyond each
+        row's length and decode appends overwrite them.
         """
         batch, seq_len, _ = x.shape
         if not self.routed:
@@ -166,34 +124,37 @@ class Block(nn.Module):
                 prefill = (cache, cache_rows, counts)
             return x + self.delta(x, cos[None], sin[None], prefill), None
 
-        router_logits = self.router(x).squeeze(-1)  # (B, T)
-        predictor_logits = self.predictor(x) if self.predictor is not None and (
-            want_predictor or routing == "predictor") else None
-        if routing == "topk":
-            selection = select_topk(router_logits, self.config.capacity_tokens(seq_len))
-        else:
-            if routing == "predictor" and predictor_logits is not None:
-                decisions = predictor_logits > 0  # (B, T)
-            else:
-                decisions = self.decisions(x, router_logits, routing)  # (B, T)
+        router = self.router
+        capacity = self.config.capacity if capacity is None else capacity
+        positions = torch.arange(seq_len, device=x.device)  # (T,)
+        router_logits = router.logits(x, positions)  # (B, T)
+        predictor_logits = router.predictor_logits(x) if want_predictor or routing == "predictor" else None
+        if router.capabilities.is_causal(routing):
+            decisions = router.decide(x, router_logits, routing, positions, capacity, predictor_logits)  # (B, T)
             if lengths is not None:  # padding comes after each row's tokens: never processed, never cached
-                decisions = decisions & (torch.arange(seq_len, device=x.device)[None, :] < lengths[:, None])
+                decisions = decisions & (positions[None, :] < lengths[:, None])
             selection = select_causal(decisions)
-        record = RoutingRecord(self.layer, router_logits, predictor_logits, selection)
+        else:
+            selection = router.select(router_logits, routing, k if k is not None else
+                                      router.static_tokens(seq_len, capacity))
+        record = RoutingRecord(self.layer, routing, router, router_logits, predictor_logits, selection, capacity)
+        return self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows), record
 
+    def update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
+                        cache: LayerKVCache | None = None, cache_rows: Tensor | None = None) -> Tensor:
+        """Run the block on the selected tokens only and write `x + w * f(x)` back at their positions; every other
+        token (and every padding slot) stays x bit for bit. With `cache`, their K/V are written to it (prefill)."""
         idx = selection.selected_idx  # (B, k)
         if idx.shape[1] == 0:
             if cache is not None:
                 cache.lengths[cache_rows] = 0
-            return x, record  # no sequence processed any token: the block costs nothing
+            return x  # no sequence processed any token: the block costs nothing
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None
         delta = self.delta(x_selected, cos[idx], sin[idx], prefill)  # (B, k, D)
-        weight = self.router_weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
-        updated = x_selected + weight * delta
-        if selection.valid is not None:
-            updated = torch.where(selection.valid.unsqueeze(-1), updated, x_selected)  # padding slots unchanged
-        return scatter_tokens(x, idx, updated.to(x.dtype)), record
+        weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
+        keep = None if selection.valid is None else selection.valid.unsqueeze(-1)  # (B, k, 1)
+        return scatter_tokens(x, idx, residual_update(x_selected, delta, weight, keep))
 
     def decode(self, x: Tensor, positions: Tensor, routing: str, cache: LayerKVCache) -> Tensor:
         """One token per sequence: x (B, 1, D), positions (B,). A skipped token does no attention/MLP work."""
@@ -202,17 +163,19 @@ class Block(nn.Module):
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope_tables(positions[:, None], self.config.head_dim, self.config.rope_base)
             return x + self._decode_delta(x, cos, sin, cache, rows)
-        router_logits = self.router(x).squeeze(-1)  # (B, 1)
+        router = self.router
+        router_logits = router.logits(x, positions[:, None])  # (B, 1)
+        decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
-        rows = self.decisions(x, router_logits, routing)[:, 0].nonzero().squeeze(1)  # (n,) processed rows
+        rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
         if rows.numel() == 0:
             return x
         x_rows = x[rows]  # (n, 1, D)
         cos, sin = rope_tables(positions[rows][:, None], self.config.head_dim, self.config.rope_base)
-        weight = self.router_weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
-        updated = x_rows + weight * self._decode_delta(x_rows, cos, sin, cache, rows)
-        return x.index_put((rows,), updated.to(x.dtype))
+        weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
+        delta = self._decode_delta(x_rows, cos, sin, cache, rows)  # (n, 1, D)
+        return x.index_put((rows,), residual_update(x_rows, delta, weight))
 
     def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
         attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows)
@@ -244,20 +207,60 @@ class MoDDecoder(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: Tensor, routing: str = "topk", *, return_records: bool = False,
-                cache: DecoderCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None):
+    # --- routing: what the router kind offers, asked by every command instead of comparing names -----------------
+
+    @property
+    def capabilities(self) -> RouterCapabilities | None:
+        """The router kind's capabilities; None for a dense model (nothing is routed)."""
+        return None if self.config.dense else router_class(self.config.router).capabilities
+
+    def routing_modes(self) -> tuple[str, ...]:
+        """The routing modes of a full forward pass this model offers, its training mode first; () when dense."""
+        routers = [block.router for block in self.blocks if block.router is not None]
+        return routers[0].modes() if routers else ()
+
+    def causal_modes(self) -> tuple[str, ...]:
+        """The modes prefill and decoding can use (each token decided from itself and the tokens before it)."""
+        caps = self.capabilities
+        return tuple(mode for mode in self.routing_modes() if caps.is_causal(mode))
+
+    @property
+    def training_mode(self) -> str:
+        return self.routing_modes()[0] if not self.config.dense else "dense"
+
+    def check_routing(self, routing: str, causal: bool = False) -> None:
+        """A UserError naming the router and what it offers, unless `routing` is one of its (causal) modes."""
+        if self.config.dense:
+            return  # nothing is routed: every mode is the same dense model
+        offered = self.causal_modes() if causal else self.routing_modes()
+        if routing in offered:
+            return
+        kind = self.config.router
+        why = ""
+        if routing in self.capabilities.needs_predictor:
+            why = " (this model has no predictor: it was trained with --predictor-hidden 0)"
+        elif causal and routing in self.routing_modes():
+            why = f" ({routing} is not causal: it sees the future and cannot decode)"
+        raise UserError(f"--routing {routing}: the {kind} router offers {', '.join(offered)}{why}")
+
+    def forward(self, tokens: Tensor, routing: str | None = None, *, return_records: bool = False,
+                cache: DecoderCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
+                capacity: float | None = None, k: int | None = None):
         """tokens (B, T) -> logits (B, T, V); with `return_records`, also each routed block's RoutingRecord.
 
-        `routing`: topk (training-time, non-causal), router or predictor (causal). With `cache` the K/V of
-        the tokens each block processes are written to rows `cache_rows` of the cache (prefill). `lengths`
-        (B,) right-pads row b after its first lengths[b] tokens (causal routing only): padding is never
-        processed by a routed block nor counted in the cache, each row's next position is its length, and
-        the logits at padded positions mean nothing (take row b's at lengths[b] - 1).
+        `routing`: one of `routing_modes()` (default the training mode), e.g. topk (training-time, non-causal),
+        router or predictor (causal) for the topk router. With `cache` the K/V of the tokens each block processes
+        are written to rows `cache_rows` of the cache (prefill). `lengths` (B,) right-pads row b after its first
+        lengths[b] tokens (causal routing only): padding is never processed by a routed block nor counted in the
+        cache, each row's next position is its length, and the logits at padded positions mean nothing (take row
+        b's at lengths[b] - 1). `capacity` overrides the configured capacity (--capacity-warmup); `k` fixes the
+        number of tokens of the full-sequence modes (the export graph computes it from T inside the graph).
         """
-        if routing not in ROUTING_MODES:
-            raise UserError(f"--routing must be one of {', '.join(ROUTING_MODES)}, got {routing!r}")
-        if lengths is not None and routing == "topk":
-            raise ValueError("padded rows (lengths) need causal routing: top-k would rank the padding")
+        routing = self.training_mode if routing is None else routing
+        self.check_routing(routing)
+        caps = self.capabilities
+        if lengths is not None and caps is not None and not caps.is_causal(routing):
+            raise ValueError(f"padded rows (lengths) need causal routing: {routing} would rank the padding")
         batch, seq_len = tokens.shape
         positions = torch.arange(seq_len, device=tokens.device)
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_base)  # (T, hd/2)
@@ -267,7 +270,7 @@ class MoDDecoder(nn.Module):
             cache_rows = torch.arange(batch, device=tokens.device)
         for layer, block in enumerate(self.blocks):
             layer_cache = cache.layers[layer] if cache is not None else None
-            x, record = block(x, cos, sin, routing, return_records, layer_cache, cache_rows, lengths)
+            x, record = block(x, cos, sin, routing, return_records, layer_cache, cache_rows, lengths, capacity, k)
             if record is not None:
                 records.append(record)
         if cache is not None:
@@ -276,10 +279,13 @@ class MoDDecoder(nn.Module):
         return (logits, records) if return_records else logits
 
     @torch.no_grad()
-    def decode_step(self, tokens: Tensor, cache: DecoderCache, routing: str = "router") -> Tensor:
-        """tokens (B,) at each sequence's next position -> logits (B, V); updates the cache."""
-        if routing == "topk":
-            raise UserError("--routing topk sees the future and cannot decode; use router or predictor")
+    def decode_step(self, tokens: Tensor, cache: DecoderCache, routing: str | None = None) -> Tensor:
+        """tokens (B,) at each sequence's next position -> logits (B, V); updates the cache.
+
+        `routing`: one of `causal_modes()`, default the first."""
+        if routing is None:
+            routing = (self.causal_modes() or ("dense",))[0]
+        self.check_routing(routing, causal=True)
         x = self.embed(tokens)[:, None]  # (B, 1, D)
         for layer, block in enumerate(self.blocks):
             x = block.decode(x, cache.positions, routing, cache.layers[layer])

@@ -2,13 +2,14 @@
 
 What is measured, per model and per sequence length T, at batch size B:
 
-- FLOPs per sequence: forward analytic (`modcli.flops.flops`, top-k routing) and counted
+- FLOPs per sequence: forward analytic (`modcli.flops.flops`, routed blocks at capacity) and counted
   (`torch.utils.flop_counter.FlopCounterMode` over a real forward pass); training FLOPs per sequence, analytic
   (`modcli.flops.training_flops`) and counted over forward + backward; FLOPs of the causal prefill and of one
   decode step, counted.
-- Latency: forward (top-k routing, no grad), one training step as `modcli train` runs it (forward with the
-  auxiliary routing losses, backward, gradient clipping, AdamW), the causal prefill of T tokens into a KV cache,
-  and one decode step (`decode_step` with `--routing router|predictor`), averaged over `--decode-tokens` steps.
+- Latency: forward (the router's training mode, e.g. top-k; no grad), one training step as `modcli train` runs it
+  (forward with the auxiliary routing losses, backward, gradient clipping, AdamW), the causal prefill of T tokens
+  into a KV cache, and one decode step (`decode_step` with `--routing`, a causal mode), averaged over
+  `--decode-tokens` steps.
 - Peak memory of each measurement (see `MEMORY_METHOD`), KV-cache bytes after T + `--decode-tokens` tokens.
 
 Method: each timed call is synchronised (CUDA), warm-up calls are excluded, `--repeats` timed calls give the
@@ -58,7 +59,6 @@ CALIBRATION_SEED_OFFSET = 2**31
 """Calibration tokens use seed + 2**31 + T; timed tokens use seed + T, so the two never coincide."""
 CALIBRATION_ROWS = 8
 """Sequences of calibration tokens: the share a quantile keeps generalises better from more tokens."""
-DECODE_ROUTINGS = ("router", "predictor")
 
 MEMORY_METHOD = (
     "peak_mem_bytes: each measurement runs twice in a fresh child process holding only that model. CPU: the "
@@ -100,8 +100,8 @@ class ProfileConfig:
     """Which measurements to run: forward, train, decode (decode includes the causal prefill)."""
     decode_tokens: int = 32
     """Decode steps timed after prefilling T tokens; the KV cache is measured after T + this many tokens."""
-    routing: str = "router"
-    """Causal routing of the prefill and decode: router or predictor."""
+    routing: str | None = None
+    """Causal routing of the prefill and decode (a causal mode of the routers); None = the model's first."""
     device: str = "auto"
     """auto, cpu, cuda or mps."""
     dtype: str = "float32"
@@ -132,8 +132,6 @@ class ProfileConfig:
         for name in self.measure:
             require(name in MEASUREMENTS, f"--measure must be among {', '.join(MEASUREMENTS)}, got {name!r}")
         require(self.decode_tokens >= 1, f"--decode-tokens must be >= 1, got {self.decode_tokens}")
-        require(self.routing in DECODE_ROUTINGS,
-                f"--routing must be router or predictor (topk sees the future and cannot decode), got {self.routing!r}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         require(self.plot is None or self.plot.lower().endswith(".png"), f"--plot must name a .png file, got {self.plot!r}")
@@ -274,9 +272,13 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
     model, info = _load_subject(config, device)
     baseline, baseline_info = _load_baseline(config, model, info, device)
     models = {"model": model} | ({"baseline": baseline} if baseline is not None else {})
+    routing = config.routing or next((m.causal_modes()[0] for m in models.values() if not m.config.dense), "dense")
     for name, m in models.items():
-        if config.routing == "predictor" and not m.config.dense and not m.config.predictor_hidden:
-            raise UserError(f"--routing predictor: the {name} has no predictor (--predictor-hidden 0)")
+        try:
+            m.check_routing(routing, causal=True)
+        except UserError as exc:
+            raise UserError(f"the {name}: {exc}") from None
+    config = dataclasses.replace(config, routing=routing)
     seq_lens = config.seq_lens or [model.config.seq_len]
     cores = os.cpu_count() or 1
     if device.type == "cpu" and load_start and load_start[0] > 0.5 * cores:
@@ -293,7 +295,7 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
             if info.routers_calibrated:
                 log(f"T={seq_len}: calibrating the untrained routers on separate tokens ({config.routing} rule, "
                     f"capacity {model.config.capacity:g})")
-                _calibrate_routers(model, config, device, seq_len)
+                info.routers_calibrated = _calibrate_routers(model, config, device, seq_len)
             if config.memory and (info.routers_calibrated or not weights):
                 weights = _save_for_children(models, Path(tmp))
             per_model = _measure_seq_len(config, models, seq_len, device, log)
@@ -338,7 +340,7 @@ def _load_subject(config: ProfileConfig, device: torch.device) -> tuple[MoDDecod
     model_config = config.model or ModelConfig()
     seed_everything(config.seed)
     model = MoDDecoder(model_config).to(device).eval()
-    return model, _info(model, "config", calibrated=not model_config.dense)
+    return model, _info(model, "config", calibrated=not model_config.dense)  # unless the router has nothing to shift
 
 
 def _load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
@@ -369,22 +371,20 @@ def _info(model: MoDDecoder, source: str, calibrated: bool) -> ModelInfo:
 
 
 @torch.no_grad()
-def _calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.device, seq_len: int) -> None:
-    """Shift each untrained router's and predictor's bias so the causal rule keeps the top `capacity` share.
+def _calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.device, seq_len: int) -> bool:
+    """Shift each untrained router (`Router.calibrate`) so its causal rule keeps the top `capacity` share.
 
     Block by block in order, running the model in the causal routing being profiled, because a block's decisions
-    and router weights change what the next block sees. The tokens are drawn apart from the timed ones. Top-k
-    routing does not change (a common shift keeps the ranking); the causal decisions and router weights do.
+    and router weights change what the next block sees. The tokens are drawn apart from the timed ones. Returns
+    False when the router kind has nothing to calibrate (e.g. random).
     """
     tokens = _tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET, device)
-    quantile = 1.0 - model.config.capacity
+    calibrated = False
     for layer in model.config.routed_layers():
-        block = model.blocks[layer]
         _, records = model(tokens, config.routing, return_records=True)
         record = next(r for r in records if r.layer == layer)
-        block.router.bias -= torch.quantile(record.router_logits.float().flatten(), quantile)
-        if block.predictor is not None and record.predictor_logits is not None:
-            block.predictor.net[-1].bias -= torch.quantile(record.predictor_logits.float().flatten(), quantile)
+        calibrated |= model.blocks[layer].router.calibrate(record, model.config.capacity)
+    return calibrated
 
 
 def _tokens(model_config: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -409,7 +409,7 @@ def forward_call(model, tokens: torch.Tensor, device: torch.device, dtype: str) 
         _sync(device)
         start = time.perf_counter()
         with torch.no_grad(), autocast(device, dtype):
-            model(tokens, "topk")
+            model(tokens)  # the router's training mode
         _sync(device)
         return {"forward": time.perf_counter() - start}
 
@@ -434,10 +434,10 @@ def train_call(model: MoDDecoder, step_model, tokens: torch.Tensor, device: torc
         _sync(device)
         start = time.perf_counter()
         with autocast(device, dtype):
-            logits, records = step_model(tokens, "topk", return_records=True)
+            logits, records = step_model(tokens, return_records=True)  # the router's training mode
             loss = lm_loss(logits, targets)
-            router_bce, predictor_bce = routing_losses(records)
-            total = loss + train_config.router_aux_weight * router_bce.to(device) + predictor_bce.to(device)
+            router_aux, predictor_aux = routing_losses(records)
+            total = loss + train_config.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
         scaler.scale(total).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
@@ -528,7 +528,7 @@ def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_l
            for name, m in models.items()}
 
     if "forward" in config.measure:
-        log(f"T={seq_len}: forward (top-k routing), {config.repeats} timed calls each")
+        log(f"T={seq_len}: forward (training-mode routing), {config.repeats} timed calls each")
         calls, compile_s = {}, {}
         for name, m in models.items():
             m.eval()
@@ -591,16 +591,16 @@ def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_l
 
 def _no_grad_forward(model: MoDDecoder, tokens: torch.Tensor, device: torch.device, dtype: str) -> None:
     with torch.no_grad(), autocast(device, dtype):
-        model(tokens, "topk")
+        model(tokens)
 
 
 def _forward_backward(model: MoDDecoder, tokens: torch.Tensor, device: torch.device, dtype: str) -> None:
     """The FLOP-bearing part of a training step (`train_call`): forward with the auxiliary losses, backward."""
     model.train()
     with autocast(device, dtype):
-        logits, records = model(tokens, "topk", return_records=True)
-        router_bce, predictor_bce = routing_losses(records)
-        total = lm_loss(logits, tokens.roll(-1, dims=1)) + router_bce.to(device) + predictor_bce.to(device)
+        logits, records = model(tokens, return_records=True)
+        router_aux, predictor_aux = routing_losses(records)
+        total = lm_loss(logits, tokens.roll(-1, dims=1)) + router_aux.to(device) + predictor_aux.to(device)
     total.backward()
 
 

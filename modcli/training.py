@@ -47,9 +47,10 @@ FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 class TrainResult:
     """What a training run achieved; `modcli train` prints it as the summary table.
 
-    The validation keys are those of the evaluation records in metrics.jsonl. Top-k routing selects a token by
-    comparing it with later tokens, so its loss sees the future; `val_loss` is therefore the causal number.
-    A dense run writes only `val_loss` and `val_bits_per_byte` there (the other fields are None here).
+    The validation losses are those of the evaluation records in metrics.jsonl (`val_loss`, `val_bits_per_byte`,
+    and `val_loss_<mode>` per routing mode). A full-sequence mode such as top-k selects a token by comparing it
+    with later tokens, so its loss sees the future; `val_loss` is therefore the causal number. A dense run has only
+    `val_loss` and `val_bits_per_byte` (`val_losses` is empty).
     """
 
     run_dir: str
@@ -57,20 +58,23 @@ class TrainResult:
     steps: int
     train_loss: float
     val_loss: float
-    """Validation loss (nats/token) under causal routing: `router` mode for MoD; the only loss for dense."""
+    """Validation loss (nats/token) under the router's first causal mode (what decoding does); for dense the only
+    loss."""
     val_bits_per_byte: float
     """`val_loss` in bits per byte."""
-    val_loss_router: float | None
-    """MoD: loss when each routed block processes the tokens whose router logit is > 0 (causal; = val_loss)."""
-    val_loss_predictor: float | None
-    """MoD trained with a predictor (--predictor-hidden > 0): loss when the causal predictor decides."""
-    val_loss_topk: float | None
-    """MoD: loss under training-time top-k routing; non-causal (sees later tokens), a reference only."""
+    val_routing: str
+    """The routing mode of `val_loss` ("dense" for a dense model)."""
+    val_losses: dict[str, float]
+    """MoD: the validation loss under each routing mode of the router, causal modes first."""
+    val_causal: dict[str, bool]
+    """MoD: whether each mode of `val_losses` is causal; a non-causal loss sees the future, a reference only."""
     tokens: int
     flops: float
     wall_time_s: float
     tokens_per_s: float
     dense: bool
+    router: str
+    """The router kind of the routed blocks (modcli.routing.registry)."""
     parameters: int
     world_size: int
 
@@ -85,12 +89,26 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on the blocks' matrices only (not norms, biases or the embedding)."""
-    decay, no_decay = [], []
+    """AdamW; weight decay on the blocks' matrices only (not norms, biases or the embedding). Router parameters
+    (the routers and their predictors) learn at --router-lr-scale x the learning rate (`lr_scale` of their groups).
+    """
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
-        (decay if param.ndim == 2 and "embed" not in name else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+        decays = param.ndim == 2 and "embed" not in name
+        separate = config.router_lr_scale != 1.0 and ".router." in name  # default: the same two groups as ever
+        groups.setdefault((decays, separate), []).append(param)
+    return torch.optim.AdamW(
+        [{"params": params, "weight_decay": config.weight_decay if decays else 0.0,
+          "lr_scale": config.router_lr_scale if is_router else 1.0}
+         for (decays, is_router), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
+        lr=config.lr, betas=(0.9, 0.95))
+
+
+def capacity_at(step: int, model_config: ModelConfig, config: TrainConfig) -> float:
+    """The capacity in force at `step` (from 1): 1.0 annealed linearly to --capacity over --capacity-warmup steps."""
+    if not config.capacity_warmup or step >= config.capacity_warmup:
+        return model_config.capacity
+    return 1.0 - (1.0 - model_config.capacity) * step / config.capacity_warmup
 
 
 def step_flops(config: RunConfig, world_size: int = 1) -> int:
@@ -106,23 +124,22 @@ def total_steps(config: RunConfig, world_size: int = 1) -> int:
     return config.train.max_steps
 
 
-def validation_modes(config: ModelConfig) -> list[str]:
-    """Routing modes evaluated during training, causal first: router, predictor (when trained), then top-k.
-
-    The dense twin has no routed block, so every mode is the same model: one evaluation.
-    """
-    if config.dense:
-        return ["router"]
-    return ["router", *(["predictor"] if config.predictor_hidden > 0 else []), "topk"]
+def validation_modes(model: MoDDecoder) -> list[str]:
+    """Routing modes evaluated during training, causal first (e.g. router, predictor, then top-k for the topk
+    router). The dense twin has no routed block, so every mode is the same model: one evaluation."""
+    if model.config.dense:
+        return ["dense"]
+    causal = model.causal_modes()
+    return [*causal, *(mode for mode in model.routing_modes() if mode not in causal)]
 
 
 @torch.no_grad()
-def validation_losses(model: torch.nn.Module, corpus: Corpus, config: RunConfig,
-                      context: DistributedContext) -> dict[str, float]:
+def validation_losses(model: torch.nn.Module, corpus: Corpus, config: RunConfig, context: DistributedContext,
+                      modes: list[str]) -> dict[str, float]:
     """The validation keys of metrics.jsonl (see TrainResult): mean losses over the fixed validation windows of
-    the global batch, each routing mode on the same windows; each rank evaluates its slice."""
+    the global batch, each routing mode of `modes` (`validation_modes`) on the same windows; each rank evaluates
+    its slice. `val_loss` is the first mode's."""
     tc, device = config.train, context.device
-    modes = validation_modes(config.model)
     model.eval()
     losses: dict[str, list[torch.Tensor]] = {mode: [] for mode in modes}
     for inputs, targets in evaluation_batches(corpus.val, config.model.seq_len, tc.batch_size * context.world_size,
@@ -139,7 +156,7 @@ def validation_losses(model: torch.nn.Module, corpus: Corpus, config: RunConfig,
         module.reshard()
     means = torch.stack([torch.stack(losses[mode]).mean() for mode in modes]).float()  # (modes,)
     by_mode = dict(zip(modes, distributed.mean_across_ranks(means, context).tolist(), strict=True))
-    result = {"val_loss": by_mode["router"], "val_bits_per_byte": bits_per_byte(by_mode["router"])}
+    result = {"val_loss": by_mode[modes[0]], "val_bits_per_byte": bits_per_byte(by_mode[modes[0]])}
     if not config.model.dense:
         result.update({f"val_loss_{mode}": loss for mode, loss in by_mode.items()})
     return result
@@ -296,9 +313,12 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
     global_batch = tc.batch_size * tc.grad_accum * context.world_size
     forward = torch.compile(run.wrapped) if tc.compile else run.wrapped
     scaler = run.scaler
+    train_mode = run.model.training_mode
+    modes = validation_modes(run.model)
     metrics = MetricsLog(run_dir, resume_step=run.step if tc.resume else None) if context.is_main else None
     if not quiet:
-        kind = "dense" if mc.dense else f"MoD capacity {mc.capacity} on blocks {mc.routed_layers()}"
+        kind = "dense" if mc.dense else (f"MoD, {mc.router} router, capacity {mc.capacity} on blocks "
+                                         f"{mc.routed_layers()}")
         parallel = f", {context.world_size} ranks ({tc.parallel})" if context.enabled else ""
         stderr_console.print(
             f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
@@ -336,16 +356,17 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             step_start = time.perf_counter()
             lr = learning_rate(run.step + 1, steps, tc)
             for group in run.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+            capacity = capacity_at(run.step + 1, mc, tc)
             loss_sum = torch.zeros((), device=device)
             for micro in range(tc.grad_accum):
                 distributed.gradient_sync(run.wrapped, micro == tc.grad_accum - 1)
                 inputs, targets = (t.to(device, non_blocking=True) for t in run.sampler.next())
                 with autocast(device, tc.dtype):
-                    logits, records = forward(inputs, "topk", return_records=True)
+                    logits, records = forward(inputs, train_mode, return_records=True, capacity=capacity)
                     loss = lm_loss(logits, targets)
-                    router_bce, predictor_bce = routing_losses(records)
-                    total = loss + tc.router_aux_weight * router_bce.to(device) + predictor_bce.to(device)
+                    router_aux, predictor_aux = routing_losses(records)
+                    total = loss + tc.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
                 scaler.scale(total / tc.grad_accum).backward()
                 loss_sum += loss.detach()
             train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
@@ -372,12 +393,14 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                       "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                       "tokens_per_s": session_tokens / max(train_time, 1e-9)}
             if records:
-                record["router_bce"] = router_bce.item()
-                record["predictor_bce"] = predictor_bce.item()
+                record["router_aux_loss"] = router_aux.item()
+                record["predictor_loss"] = predictor_aux.item()
+                if tc.capacity_warmup:
+                    record["capacity"] = capacity
                 if run.step % tc.log_every == 0 or last_step:
                     record["routing"] = routing_agreement(records)
             if evaluate_now:
-                validation = validation_losses(forward, run.corpus, config, context)
+                validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)
             if metrics is not None:
                 metrics.write(record)
@@ -392,13 +415,14 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             metrics.close()
 
     if validation is None:  # nothing left to train (resumed at the end): evaluate what is there
-        validation = validation_losses(forward, run.corpus, config, context)
+        validation = validation_losses(forward, run.corpus, config, context, modes)
+    caps = run.model.capabilities
     return TrainResult(
         run_dir=str(run_dir), checkpoint=str(run.last_checkpoint), steps=run.step, train_loss=train_loss,
-        val_loss=validation["val_loss"], val_bits_per_byte=validation["val_bits_per_byte"],
-        val_loss_router=validation.get("val_loss_router"), val_loss_predictor=validation.get("val_loss_predictor"),
-        val_loss_topk=validation.get("val_loss_topk"), tokens=run.tokens, flops=run.flops,
+        val_loss=validation["val_loss"], val_bits_per_byte=validation["val_bits_per_byte"], val_routing=modes[0],
+        val_losses={mode: validation[f"val_loss_{mode}"] for mode in modes if f"val_loss_{mode}" in validation},
+        val_causal={mode: caps.is_causal(mode) for mode in modes} if caps else {}, tokens=run.tokens, flops=run.flops,
         wall_time_s=run.elapsed_before + time.perf_counter() - session_start,
-        tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense,
+        tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense, router=mc.router,
         parameters=run.model.num_parameters(), world_size=context.world_size,
     )

@@ -104,9 +104,9 @@ def _bad(tmp_path, corpus_file, trained_run, trained_dense_run):
         (["eval", str(tmp_path / "missing")], "no such checkpoint"),
         (["eval", str(not_a_checkpoint)], "not a modcli checkpoint"),
         (["eval", str(corpus_file)], "not a modcli checkpoint"),
-        (["eval", str(trained_run), "--routing", "sideways"], "--routing must be among"),
+        (["eval", str(trained_run), "--routing", "sideways"], "--routing sideways: the topk router offers topk, router"),
         (["eval", str(trained_run), "--batches", "0"], "--batches must be >= 1"),
-        (["generate", str(trained_run), "--routing", "topk"], "topk sees the future"),
+        (["generate", str(trained_run), "--routing", "topk"], "topk is not causal: it sees the future"),
         (["generate", str(trained_run), "--prompt", ""], "--prompt must not be empty"),
         (["generate", str(trained_run), "--top-p", "0"], "--top-p must be in"),
         (["generate", str(tmp_path / "missing")], "no such checkpoint"),
@@ -138,7 +138,7 @@ def test_predictor_routing_needs_a_predictor(runner, tmp_path, corpus_file):
     assert result.exit_code == 0, result.output
     for args in (["eval", str(out), "--routing", "predictor"], ["generate", str(out), "--routing", "predictor"]):
         result = runner.invoke(app, args)
-        assert result.exit_code == 2 and "without a predictor" in result.stderr
+        assert result.exit_code == 2 and "this model has no predictor" in result.stderr
 
 
 def test_eval_of_a_dense_model_reports_one_causal_row(runner, trained_dense_run):

@@ -18,7 +18,7 @@ def _model(**overrides) -> MoDDecoder:
     with torch.no_grad():  # router biases near zero make about half the tokens pass: both branches get used
         for block in model.blocks:
             if block.router is not None:
-                block.router.bias.fill_(0.0)
+                block.router.score.bias.fill_(0.0)
     return model
 
 
@@ -132,13 +132,13 @@ def test_a_skipped_token_does_no_attention_or_mlp_work():
     model(torch.tensor([[1, 2, 3]]), "router", cache=cache)
     length_before = cache.layers[routed.layer].lengths.item()
     with torch.no_grad():
-        routed.router.bias.fill_(-1e4)  # the router now skips every token
+        routed.router.score.bias.fill_(-1e4)  # the router now skips every token
     calls.update(attn=0, mlp=0)
     model.decode_step(torch.tensor([4]), cache, "router")
     assert calls == {"attn": 0, "mlp": 0}
     assert cache.layers[routed.layer].lengths.item() == length_before
     with torch.no_grad():
-        routed.router.bias.fill_(1e4)  # ...and now processes it: the counter can move
+        routed.router.score.bias.fill_(1e4)  # ...and now processes it: the counter can move
     model.decode_step(torch.tensor([5]), cache, "router")
     assert calls["mlp"] == 1
     assert cache.layers[routed.layer].lengths.item() == length_before + 1

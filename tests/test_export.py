@@ -43,7 +43,7 @@ def random_checkpoint(root: Path, **overrides) -> Path:
     with torch.no_grad():
         for block in model.blocks:
             if block.router is not None:
-                block.router.bias.fill_(0.0)
+                block.router.score.bias.fill_(0.0)
     run = RunConfig(model=config, train=TrainConfig(out=str(root)))
     return save_checkpoint(root, 1, model, None, run, {"step": 1}, keep=1)
 
@@ -82,7 +82,7 @@ def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing):
     model = MoDDecoder(tiny_model_config()).eval()
     for block in model.blocks:
         if block.router is not None:
-            block.router.bias.fill_(0.0)
+            block.router.score.bias.fill_(0.0)
     config = model.config
     wrapper = DecodeStepGraph(model, routing)
     batch, steps = 3, 20
@@ -115,8 +115,8 @@ def test_tied_router_scores_select_the_same_positions_in_eager_torch_export_and_
     # The first block is routed, so its router reads the embedding: equal bytes give bit-identical logits.
     model = MoDDecoder(tiny_model_config(n_layers=2, route_every=2, route_offset=0, capacity=0.125)).eval()
     quote = ord('"')
-    model.blocks[0].router.weight.copy_(10 * model.embed.weight[quote][None])  # '"' scores far above the rest
-    model.blocks[0].router.bias.zero_()
+    model.blocks[0].router.score.weight.copy_(10 * model.embed.weight[quote][None])  # '"' scores far above the rest
+    model.blocks[0].router.score.bias.zero_()
     text = list(b'"""Tied scores at the k-th boundary."""\n')
     tokens = torch.tensor([text[:16], text[:8] + text[:8]])  # (2, 16): k = 2 of three tied quotes
     logits, records = model(tokens, "topk", return_records=True)

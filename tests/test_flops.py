@@ -51,8 +51,8 @@ def test_analytic_decode_step_flops_equal_the_flop_counter(overrides, routing):
     model = MoDDecoder(config).eval()
     for block in model.blocks:
         if block.routed:  # about half the rows process each token: both kinds of row are counted
-            block.router.bias.zero_()
-            block.predictor.net[-1].bias.zero_()
+            block.router.score.bias.zero_()
+            block.router.predictor.net[-1].bias.zero_()
     batch, prompt = 3, 9
     cache = DecoderCache.allocate(config, batch, prompt + 6, torch.device("cpu"))
     model(torch.randint(0, 256, (batch, prompt)), routing, cache=cache)

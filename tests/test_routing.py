@@ -87,7 +87,7 @@ def test_router_receives_gradient_from_the_language_model_loss():
     x = torch.randn(2, 32, 32)
     out, _ = block(x, *_rope(block.config, 32), "topk")
     out.square().mean().backward()
-    assert block.router.weight.grad is not None and block.router.weight.grad.abs().sum() > 0
+    assert block.router.score.weight.grad is not None and block.router.score.weight.grad.abs().sum() > 0
 
 
 def test_predictor_never_sends_gradient_into_the_main_model():
@@ -96,8 +96,8 @@ def test_predictor_never_sends_gradient_into_the_main_model():
     _, record = block(x, *_rope(block.config, 32), "topk", want_predictor=True)
     record.predictor_logits.sum().backward()
     assert x.grad is None
-    assert block.router.weight.grad is None
-    assert block.predictor.net[0].weight.grad.abs().sum() > 0
+    assert block.router.score.weight.grad is None
+    assert block.router.predictor.net[0].weight.grad.abs().sum() > 0
 
 
 def test_capacity_one_without_gating_equals_the_dense_block():

@@ -86,7 +86,7 @@ def test_train_summary_lists_the_causal_loss_before_the_top_k_one(tmp_path, corp
     assert result.exit_code == 0, result.output
     rows = _table_rows(result.stdout)
     labels = ["validation loss (causal, router)", "validation bits/byte (causal, router)",
-              "validation loss (causal, predictor)", "validation loss (top-k, non-causal reference)"]
+              "validation loss (predictor, causal)", "validation loss (topk, non-causal reference)"]
     where = [next(i for i, row in enumerate(rows) if row.startswith(label + " ")) for label in labels]
     assert where == sorted(where), rows
 
@@ -94,7 +94,11 @@ def test_train_summary_lists_the_causal_loss_before_the_top_k_one(tmp_path, corp
     result = runner.invoke(app, ["train", "--out", str(mod), "--resume", "--json"], env=wide)
     assert result.exit_code == 0, result.output
     summary, last = json.loads(result.stdout), _metrics(mod)[-1]
-    assert {key: summary[key] for key in VALIDATION_KEYS} == {key: last[key] for key in VALIDATION_KEYS}
+    assert (summary["val_loss"], summary["val_bits_per_byte"]) == (last["val_loss"], last["val_bits_per_byte"])
+    assert {f"val_loss_{mode}": loss for mode, loss in summary["val_losses"].items()} == {
+        key: last[key] for key in VALIDATION_KEYS - {"val_loss", "val_bits_per_byte"}}
+    assert summary["val_routing"] == "router"
+    assert summary["val_causal"] == {"router": True, "predictor": True, "topk": False}
 
     dense = tmp_path / "dense"
     result = runner.invoke(app, ["train", *tiny, "--dense", "--out", str(dense)], env=wide)
@@ -103,7 +107,7 @@ def test_train_summary_lists_the_causal_loss_before_the_top_k_one(tmp_path, corp
     assert "causal" not in result.stdout and "top-k" not in result.stdout
     result = runner.invoke(app, ["train", "--out", str(dense), "--resume", "--json"], env=wide)
     summary = json.loads(result.stdout)
-    assert summary["val_loss"] > 0 and summary["val_loss_router"] is summary["val_loss_topk"] is None
+    assert summary["val_loss"] > 0 and summary["val_losses"] == {} and summary["val_routing"] == "dense"
 
 
 def test_checkpoint_round_trip_gives_the_same_logits(trained_run, tmp_path):

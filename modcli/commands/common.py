@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -17,6 +17,19 @@ stderr = Console(stderr=True)
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
 Dtype = Annotated[str, typer.Option(help="Autocast dtype: float32, bfloat16 or float16.")]
 Json = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")]
+
+# Model flags shared by `train` and `profile` (a fresh model's shape and routing).
+Capacity = Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")]
+RouteEvery = Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")]
+RouteOffset = Annotated[Optional[int], typer.Option(help="Index of the first routed block.")]
+Router = Annotated[Optional[str], typer.Option(help="Router kind: topk, random or threshold.")]
+RouterWeight = Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")]
+RouterHidden = Annotated[Optional[int], typer.Option(help="MLP router width (0 = linear).")]
+Threshold = Annotated[Optional[float], typer.Option(
+    help="threshold router: process a token when sigmoid(logit) > this (default 0.5).")]
+CapacityMax = Annotated[Optional[float], typer.Option(
+    help="threshold router: most tokens kept in static shapes (default 2 x capacity).")]
+PredictorHidden = Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")]
 
 
 def user_errors(command):

@@ -15,21 +15,20 @@ def eval_command(
     checkpoint: Annotated[str, typer.Argument(help="Run folder (newest checkpoint) or checkpoint folder.")],
     data: Annotated[Optional[str], typer.Option(help="Evaluate on this corpus instead of the training one.")] = None,
     glob: Annotated[str, typer.Option(help="File pattern when --data is a folder.")] = "**/*",
-    routing: Annotated[Optional[list[str]], typer.Option(help="topk, router, predictor (repeat; default all).")] = None,
+    routing: Annotated[Optional[list[str]], typer.Option(
+        help="A mode of the model's router, e.g. topk, router, predictor (repeat; default all).")] = None,
     batches: Annotated[int, typer.Option(help="Validation batches.")] = 16,
     batch_size: Annotated[int, typer.Option(help="Sequences per batch.")] = 8,
     device: Device = "auto",
     dtype: Dtype = "float32",
     json_output: Json = False,
 ) -> None:
-    """Validation loss, bits per byte and perplexity under each routing mode (topk is non-causal)."""
+    """Validation loss, bits per byte and perplexity under each routing mode (non-causal ones as a reference)."""
     from rich.table import Table
 
-    from modcli.config import ROUTING_MODES
     from modcli.evaluation import EvalConfig, evaluate
 
-    result = evaluate(EvalConfig(checkpoint=checkpoint, data=data, glob=glob,
-                                 routing=routing or list(ROUTING_MODES), batches=batches,
+    result = evaluate(EvalConfig(checkpoint=checkpoint, data=data, glob=glob, routing=routing or [], batches=batches,
                                  batch_size=batch_size, device=device, dtype=dtype))
     if json_output:
         from modcli.reporting import print_json
@@ -45,11 +44,21 @@ def eval_command(
                       f"{r.perplexity:.3f}", fractions)
     stdout.print(table)
     if result.agreement:
-        agree = Table(title="causal rules against top-k (per routed block)")
-        for column in ("block", "rule", "accuracy", "precision", "recall", "processed"):
-            agree.add_column(column, justify="right")
-        for block, rules in result.agreement.items():
-            for rule, s in rules.items():
-                agree.add_row(block, rule, f"{s['accuracy']:.3f}", f"{s['precision']:.3f}", f"{s['recall']:.3f}",
-                              f"{s['processed_fraction']:.3f}")
-        stdout.print(agree)
+        stdout.print(_agreement_table(result))
+
+
+def _agreement_table(result):
+    """The router's statistics per routed block (for topk: the causal rules against top-k)."""
+    from rich.table import Table
+
+    first = next(iter(next(iter(result.agreement.values())).values()))
+    columns = list(first)
+    title = ("causal rules against top-k (per routed block)" if "accuracy" in first
+             else f"{result.router} router statistics (per routed block)")
+    table = Table(title=title)
+    for column in ("block", "rule", *columns):
+        table.add_column(column.replace("_", " "), justify="right")
+    for block, rules in result.agreement.items():
+        for rule, stats in rules.items():
+            table.add_row(block, rule, *(f"{stats[column]:.3f}" for column in columns))
+    return table

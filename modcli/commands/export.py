@@ -19,7 +19,8 @@ def export(
         "--compile", help="Also write torch.export .pt2 programs and AOTInductor packages (slow: a C++ compile).")] = False,
     graph: Annotated[Optional[list[str]], typer.Option(
         help="forward (top-k, non-causal) and/or decode (causal, KV cache); repeat; default both.")] = None,
-    routing: Annotated[str, typer.Option(help="Causal routing of the decode graph: router or predictor.")] = "router",
+    routing: Annotated[Optional[str], typer.Option(
+        help="Causal routing of the decode graph (topk router: router or predictor); default the router's first.")] = None,
     dtype: Annotated[str, typer.Option(
         help="Weights and activations of the graphs: float32, float16 (bfloat16 only with --no-onnx --compile).")
     ] = "float32",

@@ -23,7 +23,8 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely bytes (0 = off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold (1 = off).")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampler seed.")] = 1337,
-    routing: Annotated[str, typer.Option(help="Causal routing: router or predictor.")] = "router",
+    routing: Annotated[Optional[str], typer.Option(
+        help="A causal mode of the model's router (topk: router or predictor); default its first.")] = None,
     device: Device = "auto",
     dtype: Dtype = "float32",
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile attention and MLP.")] = False,

@@ -8,7 +8,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from modcli.commands.common import Device, Dtype, Json, stdout, user_errors
+from modcli.commands.common import (
+    Capacity,
+    CapacityMax,
+    Device,
+    Dtype,
+    Json,
+    PredictorHidden,
+    RouteEvery,
+    RouteOffset,
+    Router,
+    RouterHidden,
+    RouterWeight,
+    Threshold,
+    stdout,
+    user_errors,
+)
 from modcli.errors import UserError
 
 
@@ -25,11 +40,15 @@ def profile(
     n_heads: Annotated[Optional[int], typer.Option(help="Attention heads.")] = None,
     mlp_hidden: Annotated[Optional[int], typer.Option(help="SwiGLU hidden width (0 = 8/3 x d_model).")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size.")] = None,
-    capacity: Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")] = None,
-    route_every: Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")] = None,
-    route_offset: Annotated[Optional[int], typer.Option(help="Index of the first routed block.")] = None,
-    router_weight: Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")] = None,
-    predictor_hidden: Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")] = None,
+    capacity: Capacity = None,
+    route_every: RouteEvery = None,
+    route_offset: RouteOffset = None,
+    router: Router = None,
+    router_weight: RouterWeight = None,
+    router_hidden: RouterHidden = None,
+    threshold: Threshold = None,
+    capacity_max: CapacityMax = None,
+    predictor_hidden: PredictorHidden = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to profile (default: the model's).")] = None,
     seq_lens: Annotated[Optional[str], typer.Option(help="Sweep, comma-separated, e.g. 256,512,1024,2048.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per call.")] = 8,
@@ -37,7 +56,8 @@ def profile(
     warmup: Annotated[int, typer.Option(help="Untimed calls before the timed ones.")] = 1,
     measure: Annotated[str, typer.Option(help="Comma-separated: forward, train, decode.")] = "forward,train,decode",
     decode_tokens: Annotated[int, typer.Option(help="Decode steps after prefilling T tokens.")] = 32,
-    routing: Annotated[str, typer.Option(help="Causal routing of prefill and decode: router or predictor.")] = "router",
+    routing: Annotated[Optional[str], typer.Option(
+        help="Causal routing of prefill and decode (topk router: router or predictor); default the router's first.")] = None,
     memory: Annotated[bool, typer.Option(
         "--memory/--no-memory", help="Measure peak memory (one fresh process per measurement).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of fresh weights and of the inputs.")] = 1337,
@@ -55,7 +75,8 @@ def profile(
 
     model_flags = {k: v for k, v in dict(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden, vocab_size=vocab_size,
-        capacity=capacity, route_every=route_every, route_offset=route_offset, router_weight=router_weight,
+        capacity=capacity, route_every=route_every, route_offset=route_offset, router=router,
+        router_weight=router_weight, router_hidden=router_hidden, threshold=threshold, capacity_max=capacity_max,
         predictor_hidden=predictor_hidden).items() if v is not None}
     model = None
     if checkpoint is None or model_flags or preset or config:

@@ -8,7 +8,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from modcli.commands.common import Json, is_main_process, stdout, user_errors
+from modcli.commands.common import (
+    Capacity,
+    CapacityMax,
+    Json,
+    PredictorHidden,
+    RouteEvery,
+    RouteOffset,
+    Router,
+    RouterHidden,
+    RouterWeight,
+    Threshold,
+    is_main_process,
+    stdout,
+    user_errors,
+)
 from modcli.errors import UserError
 
 
@@ -19,11 +33,15 @@ def train(
         "--config", help="TOML file with the same keys as the flags; flags win.")] = None,
     data: Annotated[Optional[str], typer.Option(help="Text file, folder or .bin; default: the Python stdlib.")] = None,
     glob: Annotated[Optional[str], typer.Option(help="File pattern when --data is a folder.")] = None,
-    capacity: Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")] = None,
-    route_every: Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")] = None,
-    route_offset: Annotated[Optional[int], typer.Option(help="Index of the first routed block.")] = None,
-    router_weight: Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")] = None,
-    predictor_hidden: Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")] = None,
+    capacity: Capacity = None,
+    route_every: RouteEvery = None,
+    route_offset: RouteOffset = None,
+    router: Router = None,
+    router_weight: RouterWeight = None,
+    router_hidden: RouterHidden = None,
+    threshold: Threshold = None,
+    capacity_max: CapacityMax = None,
+    predictor_hidden: PredictorHidden = None,
     dropout: Annotated[Optional[float], typer.Option(help="Dropout on attention and block deltas (training).")] = None,
     dense: Annotated[Optional[bool], typer.Option("--dense", help="Train the dense twin (routing off).")] = None,
     d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
@@ -37,7 +55,11 @@ def train(
     max_steps: Annotated[Optional[int], typer.Option(help="Optimiser steps.")] = None,
     flops_budget: Annotated[Optional[float], typer.Option(
         help="Stop after this many training FLOPs (overrides --max-steps).")] = None,
-    router_aux_weight: Annotated[Optional[float], typer.Option(help="Weight of the router's auxiliary BCE loss.")] = None,
+    router_aux_weight: Annotated[Optional[float], typer.Option(
+        help="Weight of the router's auxiliary loss (topk: BCE; threshold: capacity regulariser).")] = None,
+    router_lr_scale: Annotated[Optional[float], typer.Option(help="Router learning rate relative to --lr.")] = None,
+    capacity_warmup: Annotated[Optional[int], typer.Option(
+        help="Anneal the capacity from 1.0 to --capacity over N steps.")] = None,
     eval_every: Annotated[Optional[int], typer.Option(help="Evaluate and checkpoint every N steps.")] = None,
     eval_batches: Annotated[Optional[int], typer.Option(help="Validation batches per evaluation.")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Plain progress line every N steps.")] = None,
@@ -80,13 +102,16 @@ def train(
     if result.dense:
         validation = [("validation loss", f"{result.val_loss:.4f}"),
                       ("validation bits/byte", f"{result.val_bits_per_byte:.4f}")]
-    else:  # the causal loss first: top-k routing sees later tokens, so its loss is a reference only
-        validation = [("validation loss (causal, router)", f"{result.val_loss:.4f}"),
-                      ("validation bits/byte (causal, router)", f"{result.val_bits_per_byte:.4f}")]
-        if result.val_loss_predictor is not None:
-            validation.append(("validation loss (causal, predictor)", f"{result.val_loss_predictor:.4f}"))
-        validation.append(("validation loss (top-k, non-causal reference)", f"{result.val_loss_topk:.4f}"))
-    stdout.print(key_value_table("training summary" + (" (dense)" if result.dense else " (MoD)"), [
+    else:  # the causal losses first: a full-sequence mode (top-k) sees later tokens, so its loss is a reference only
+        validation = [(f"validation loss (causal, {result.val_routing})", f"{result.val_loss:.4f}"),
+                      (f"validation bits/byte (causal, {result.val_routing})", f"{result.val_bits_per_byte:.4f}")]
+        for mode, loss in result.val_losses.items():
+            if mode == result.val_routing:
+                continue
+            label = "causal" if result.val_causal[mode] else "non-causal reference"
+            validation.append((f"validation loss ({mode}, {label})", f"{loss:.4f}"))
+    title = "training summary" + (" (dense)" if result.dense else f" (MoD, {result.router} router)")
+    stdout.print(key_value_table(title, [
         ("steps", str(result.steps)),
         ("parameters", f"{result.parameters:,}"),
         ("train loss", f"{result.train_loss:.4f}"),

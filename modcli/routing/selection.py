@@ -1,15 +1,15 @@
-"""Token selection for Mixture-of-Depths routed blocks.
+"""Token selection for Mixture-of-Depths routed blocks, shared by every router kind.
 
 Two ways to pick the tokens a routed block processes:
 
-- `topk` (training time, non-causal): expert-choice top-k over the whole sequence, k = capacity x T. Whether
-  token t is chosen depends on the scores of later tokens, so it cannot be used for decoding and its perplexity
-  leaks the future.
-- `router` / `predictor` (causal): a per-token yes/no from the sign of the router logit or of the predictor
-  logit. The count differs per sequence; the batch is padded to the largest count (never to T), and padded
-  slots are written back unchanged.
+- full-sequence (`select_topk`, `select_capped`): a fixed number of tokens per sequence from scores over the
+  whole sequence. Whether token t is chosen depends on the scores of later tokens, so it cannot be used for
+  decoding and its perplexity leaks the future; it keeps shapes static for training, compile and export.
+- causal (`select_causal`): a per-token yes/no (a router's sign, a predictor, a threshold). The count differs per
+  sequence; the batch is padded to the largest count (never to T), and padded slots are written back unchanged.
 
 Either way the result is indices sorted ascending, so attention among the selected tokens keeps causal order.
+`residual_update` is the one place that writes `x + w * f(x)` for the selected tokens.
 """
 
 from __future__ import annotations
@@ -18,12 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-ROUTER_WEIGHT_FUNCTIONS = {
-    "sigmoid": torch.sigmoid,
-    "identity": lambda logits: logits,
-    "none": torch.ones_like,
-}
 
 
 @dataclass
@@ -78,6 +72,21 @@ def select_causal(decisions: Tensor) -> Selection:
     return Selection(selected_idx, valid, counts)
 
 
+def select_capped(scores: Tensor, decisions: Tensor, cap: int) -> Selection:
+    """At most `cap` tokens per sequence: the `cap` best scores (ties to the lower position), of which only those
+    with a yes in `decisions` (B, T) count. Static shapes for compile and export; where more than `cap` tokens say
+    yes, later scores can push out earlier tokens, so the result is causal only while the cap does not bind."""
+    batch, seq_len = scores.shape
+    best = select_topk(scores, cap).selected_idx  # (B, cap) ascending
+    keep = decisions.gather(1, best)  # (B, cap)
+    counts = keep.sum(dim=1)  # (B,)
+    slot_key = torch.where(keep, best, best + seq_len)  # (B, cap) kept ones first, in order; all distinct
+    ordered = slot_key.topk(cap, dim=1, largest=False, sorted=True).values  # (B, cap)
+    selected_idx = torch.where(ordered >= seq_len, ordered - seq_len, ordered)  # back to positions
+    valid = torch.arange(cap, device=scores.device)[None, :] < counts[:, None]  # (B, cap)
+    return Selection(selected_idx, valid, counts)
+
+
 def topk_labels(selected_idx: Tensor, seq_len: int) -> Tensor:
     """(B, k) selected positions -> (B, T) float labels, 1 where top-k chose the token; built per sequence."""
     labels = torch.zeros(selected_idx.shape[0], seq_len, device=selected_idx.device)
@@ -92,3 +101,25 @@ def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
 def scatter_tokens(x: Tensor, idx: Tensor, updated: Tensor) -> Tensor:
     """Overwrite x (B, T, D) at positions idx (B, k) with updated (B, k, D); every other token is x bit for bit."""
     return x.scatter(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]), updated)
+
+
+def residual_update(x_selected: Tensor, delta: Tensor, weight: Tensor, keep: Tensor | None = None) -> Tensor:
+    """`x + w * f(x)` for the selected tokens: x_selected and delta (..., n, D), weight (..., n, 1).
+
+    Where `keep` (..., n, 1) is False (padding slots, rows that skip), the token stays x bit for bit. The eager
+    forward, the cached decode and the export graphs all write the routed update through this function.
+    """
+    updated = (x_selected + weight * delta).to(x_selected.dtype)
+    return updated if keep is None else torch.where(keep, updated, x_selected)
+
+
+HASH_MODULUS = 2_147_483_647  # 2**31 - 1
+
+
+def position_hash(layer: int, positions: Tensor) -> Tensor:
+    """A uniform-looking integer in [0, HASH_MODULUS) per (layer, position): the same in eager PyTorch, export and
+    ONNX, because it uses int64 arithmetic only (no bit operations, no floats, every product below 2**62)."""
+    h = (positions.long() + 1) * 48_271 + (layer + 1) * 69_621
+    for _ in range(3):
+        h = (h % HASH_MODULUS) * 16_807 + h // 65_536
+    return h % HASH_MODULUS

@@ -1,0 +1,203 @@
+"""Every registered router kind through every mechanism: a new router gets all of these checks for free.
+
+Causal modes are causal; cached decoding equals the causal full forward; capacity 1 (threshold 0) without gating
+equals the dense twin; the exported ONNX graphs equal eager PyTorch; a resumed run equals the uninterrupted one;
+every command accepts the router and bad router flags exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from modcli.cache import DecoderCache
+from modcli.cli import app
+from modcli.config import RunConfig
+from modcli.model import MoDDecoder
+from modcli.routing.registry import ROUTERS
+from tests.conftest import tiny_model_config, tiny_run_config
+
+KINDS = list(ROUTERS)
+ATOL = 1e-4
+
+
+def router_config(kind: str, **overrides):
+    """A tiny config of `kind`; routers with parameters open up so that about half the tokens pass."""
+    values = dict(router=kind, capacity=0.5)
+    if kind != "topk":
+        values["predictor_hidden"] = 0
+    values.update(overrides)
+    return tiny_model_config(**values)
+
+
+def fresh_model(kind: str, **overrides) -> MoDDecoder:
+    torch.manual_seed(0)
+    model = MoDDecoder(router_config(kind, **overrides)).eval()
+    with torch.no_grad():  # zero biases: the causal rules (logit > 0, sigmoid > 0.5) pass about half the tokens
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+    return model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_declares_consistent_capabilities(kind):
+    model = fresh_model(kind)
+    caps = model.capabilities
+    assert caps.modes and set(caps.causal_modes) <= set(caps.modes) and caps.static_mode in caps.modes
+    assert caps.static_mode not in caps.causal_modes or kind == "threshold"
+    assert model.causal_modes(), "every router must be able to decode"
+    assert set(caps.notes) == set(caps.modes), "every mode is described"
+    assert caps.parameters
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_causal_modes_are_causal(kind):
+    model = fresh_model(kind)
+    tokens = torch.randint(0, 256, (2, 32))
+    changed = tokens.clone()
+    changed[:, 20:] = torch.randint(0, 256, (2, 12))
+    for mode in model.causal_modes():
+        before, records = model(tokens, mode, return_records=True)
+        after, changed_records = model(changed, mode, return_records=True)
+        # The decisions about the first 20 tokens are identical, bit for bit; their logits agree to float rounding
+        # only, since a different number of selected rows after them changes how the matrix products are blocked.
+        for record, other in zip(records, changed_records, strict=True):
+            for row in range(2):
+                mine = record.selection.selected_idx[row, :record.selection.counts[row]]
+                theirs = other.selection.selected_idx[row, :other.selection.counts[row]]
+                assert torch.equal(mine[mine < 20], theirs[theirs < 20]), (mode, record.layer)
+        torch.testing.assert_close(before[:, :20], after[:, :20], atol=1e-5, rtol=0, msg=mode)
+        counts = torch.stack([r.selection.counts for r in records])
+        assert (counts > 0).any() and (counts < 32).any(), f"{mode}: both branches must be used"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_cached_decoding_equals_the_causal_full_forward(kind):
+    model = fresh_model(kind)
+    tokens = torch.randint(0, 256, (3, 30))
+    for mode in model.causal_modes():
+        full, records = model(tokens, mode, return_records=True)
+        cache = DecoderCache.allocate(model.config, 3, 30, torch.device("cpu"))
+        steps = [model(tokens[:, :9], mode, cache=cache)[:, -1]]
+        steps += [model.decode_step(tokens[:, t], cache, mode) for t in range(9, 30)]
+        torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 8:], atol=ATOL, rtol=0)
+        for record in records:  # the cache of a routed block holds exactly the tokens it processed
+            assert cache.layers[record.layer].lengths.tolist() == record.selection.counts.tolist()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_processing_every_token_without_gating_equals_the_dense_twin(kind):
+    overrides = dict(router_weight="none", capacity=1.0)
+    if kind == "threshold":
+        overrides["threshold"] = 0.0  # sigmoid(logit) > 0 holds for every token
+    model = fresh_model(kind, **overrides)
+    dense = MoDDecoder(model.config.dense_twin()).eval()
+    dense.load_state_dict(model.state_dict(), strict=False)
+    tokens = torch.randint(0, 256, (2, 24))
+    reference = dense(tokens)
+    everything = []  # the modes that process every token at this capacity (a learnt causal rule may not)
+    for mode in model.routing_modes():
+        logits, records = model(tokens, mode, return_records=True)
+        if all(record.selection.counts.tolist() == [24, 24] for record in records):
+            everything.append(mode)
+            torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0, msg=mode)
+    assert model.capabilities.static_mode in everything
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_resumed_run_equals_the_uninterrupted_one(kind, tmp_path, corpus_file):
+    from modcli.training import train
+
+    config = tiny_run_config(corpus_file, tmp_path / "full", max_steps=6, eval_every=3, eval_batches=1)
+    config = RunConfig(model=router_config(kind, dropout=0.1), data=config.data, train=config.train)
+    train(config, quiet=True)
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "step-00000006")
+    resumed = dataclasses.replace(config, train=dataclasses.replace(config.train, out=str(tmp_path / "resumed"),
+                                                                    resume=True))
+    train(resumed, quiet=True)
+    want = load_file(tmp_path / "full" / "step-00000006" / "model.safetensors")
+    got = load_file(tmp_path / "resumed" / "step-00000006" / "model.safetensors")
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def trained_kinds(tmp_path_factory, corpus_file):
+    """One tiny run per router kind (a few steps), shared by the command tests below."""
+    from modcli.training import train
+
+    runs = {}
+    for kind in KINDS:
+        out = tmp_path_factory.mktemp("routers") / kind
+        config = tiny_run_config(corpus_file, out, max_steps=4, eval_every=4, eval_batches=1)
+        train(RunConfig(model=router_config(kind), data=config.data, train=config.train), quiet=True)
+        runs[kind] = out
+    return runs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_command_works_with_the_router(kind, trained_kinds, tmp_path):
+    runner, run = CliRunner(), str(trained_kinds[kind])
+    model = MoDDecoder(router_config(kind))
+
+    result = runner.invoke(app, ["eval", run, "--batches", "1", "--batch-size", "2", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["router"] == kind
+    assert [(r["routing"], r["causal"]) for r in report["results"]] == [
+        (mode, mode in model.causal_modes()) for mode in model.routing_modes()]
+
+    for mode in model.causal_modes():
+        result = runner.invoke(app, ["generate", run, "--prompt", "def ", "--prompt", "x = 1", "--max-new-tokens", "6",
+                                     "--routing", mode, "--device", "cpu", "--json"])
+        assert result.exit_code == 0, result.output
+        generated = json.loads(result.stdout)
+        assert generated["routing"] == mode and generated["kv_cache_bytes"] < generated["dense_kv_cache_bytes"] or \
+            generated["processed_fraction"] and max(generated["processed_fraction"].values()) == 1.0
+
+    result = runner.invoke(app, ["profile", run, "--seq-len", "16", "--batch-size", "2", "--repeats", "1",
+                                 "--warmup", "0", "--decode-tokens", "2", "--no-memory", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    profiled = json.loads(result.stdout)["results"][0]
+    assert profiled["ratio"]["forward_latency"]["measured"] > 0 and profiled["model"]["processed_fraction"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_onnx_graphs_equal_eager_pytorch(kind, trained_kinds, tmp_path):
+    from modcli.export_bundle import ExportConfig, export
+
+    result = export(ExportConfig(checkpoint=str(trained_kinds[kind]), out=str(tmp_path / "bundle"), provider="cpu",
+                                 decode_steps=4))
+    assert result.valid, result.failures
+    graphs = {check.graph for check in result.checks}
+    assert graphs == {"forward", "decode"}
+    assert all(check.passed and not check.ambiguous for check in result.checks)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--router", "sideways"], "--router must be one of topk, random, threshold"),
+    (["--threshold", "0.5"], "--threshold is an option of --router threshold, not of --router topk"),
+    (["--router", "threshold", "--threshold", "1.5"], "--threshold must be in [0, 1), got 1.5"),
+    (["--router", "threshold", "--capacity-max", "0"], "--capacity-max must be in (0, 1], got 0.0"),
+    (["--router", "random", "--router-hidden", "8"], "--router-hidden: the random router has no parameters"),
+    (["--router-hidden", "-1"], "--router-hidden must be >= 0"),
+    (["--router-lr-scale", "0"], "--router-lr-scale must be positive"),
+    (["--capacity-warmup", "-3"], "--capacity-warmup must be >= 0"),
+])
+def test_bad_router_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
+    result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
