@@ -3,12 +3,17 @@
 A router (linear, or an MLP with --router-hidden) scores each token, and the token is processed when
 sigmoid(logit) > p (--threshold, default 0.5). The rule looks at the token alone, so it is causal: training,
 evaluation, prefill and decoding all use it, with no train/decode mismatch and no predictor. How many tokens a
-block processes is learnt; a capacity regulariser pulls each block's share toward --capacity:
+block processes is learnt; a capacity regulariser pulls each block's share toward --capacity, weighted by
+--router-aux-weight:
 
-    loss = (mean over tokens of sigmoid(logit - logit(p)) - capacity)**2 / (capacity * (1 - capacity))
+    loss = BCE(logit - logit(p), label),  label = 1 for the top max(1, floor(capacity x T)) logits of the sequence
 
-a smooth stand-in for the processed share, normalised so that its size does not depend on the capacity, weighted
-by --router-aux-weight. Static shapes for compile and export: the `capped` mode keeps at most
+so the best-scoring capacity share of each sequence is pushed above p and the rest below it (the ranking itself is
+learnt from the language-model loss through the router weight). A penalty on the mean of sigmoid(logit) alone is
+not enough: every logit can settle at the same value just below p, matching the mean while no token passes (seen
+on a tiny model: every block processed 0% after 30 steps). The labels look at the whole sequence, but only the
+training loss does; the rule that routes stays causal. Static shapes for compile and export: the `capped` mode
+keeps at most
 max(1, floor(capacity_max x T)) tokens (--capacity-max, default 2 x capacity), the best scores among those above
 p; where more tokens pass p than that, the cap binds (reported as `cap_binds`) and the result is not causal.
 """
@@ -19,10 +24,11 @@ import math
 from fractions import Fraction
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from modcli.routing.base import ROUTER_WEIGHT_FUNCTIONS, Router, RouterCapabilities, RoutingRecord
-from modcli.routing.selection import Selection, select_capped
+from modcli.routing.base import ROUTER_WEIGHT_FUNCTIONS, Router, RouterCapabilities, RoutingRecord, fraction
+from modcli.routing.selection import Selection, select_capped, select_topk, topk_labels
 from modcli.routing.topk import score_flops, score_network, shift_output_bias
 
 DEFAULT_THRESHOLD = 0.5
@@ -71,10 +77,14 @@ class ThresholdRouter(Router):
         return select_capped(logits, logits > self.logit_threshold, k)
 
     def losses(self, record: RoutingRecord) -> tuple[Tensor, Tensor]:
-        capacity = min(max(record.capacity, 1e-3), 1 - 1e-3)
-        soft_share = torch.sigmoid(record.router_logits.float() - self.logit_threshold).mean()
-        regulariser = (soft_share - capacity) ** 2 / (capacity * (1 - capacity))
-        return regulariser, torch.zeros_like(regulariser)
+        logits = record.router_logits.float()  # (B, T)
+        zero = logits.new_zeros(())
+        if self.logit_threshold == -math.inf:  # p = 0: every token passes whatever the logits
+            return zero, zero
+        num, den = fraction(record.capacity)  # the capacity in force (--capacity-warmup included), not the cap
+        k = max(1, logits.shape[1] * num // den)
+        labels = topk_labels(select_topk(logits.detach(), k).selected_idx, logits.shape[1])  # (B, T)
+        return F.binary_cross_entropy_with_logits(logits - self.logit_threshold, labels), zero
 
     @torch.no_grad()
     def metrics(self, record: RoutingRecord) -> dict[str, dict[str, float]]:
