@@ -201,3 +201,62 @@ def test_bad_router_flags_exit_2_with_one_line(args, message, tmp_path, corpus_f
     assert result.exit_code == 2, result.output
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_from_before_the_router_interface_loads_and_gives_the_same_logits(tmp_path):
+    """Old checkpoints: no `router` key in config.json, router and predictor tensors named on the block."""
+    from safetensors.torch import save_file
+
+    from modcli.checkpoint import load_model_from, save_checkpoint
+    from modcli.config import TrainConfig
+
+    model = fresh_model("topk")
+    new = save_checkpoint(tmp_path / "new", 1, model, None, RunConfig(model=model.config, train=TrainConfig()),
+                          {"step": 1}, keep=1)
+    old = tmp_path / "old" / "step-00000001"
+    shutil.copytree(new, old)
+    renamed = {name.replace(".router.score.", ".router.").replace(".router.predictor.", ".predictor."): tensor
+               for name, tensor in load_file(new / "model.safetensors").items()}
+    assert "blocks.1.router.weight" in renamed and "blocks.1.predictor.net.0.weight" in renamed
+    save_file(renamed, old / "model.safetensors")
+    config = json.loads((old / "config.json").read_text())
+    for key in ("router", "router_hidden", "threshold", "capacity_max"):
+        del config["model"][key]
+    (old / "config.json").write_text(json.dumps(config))
+    loaded, run_config, _ = load_model_from(old)
+    assert run_config.model.router == "topk"
+    tokens = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        for mode in ("topk", "router", "predictor"):
+            torch.testing.assert_close(loaded(tokens, mode), model(tokens, mode), atol=0, rtol=0)
+
+
+def test_capacity_warmup_anneals_from_one_to_the_capacity_with_k_fixed_within_a_step(tmp_path, corpus_file):
+    from modcli.config import TrainConfig
+    from modcli.training import capacity_at, train
+
+    model_config, train_config = router_config("topk", capacity=0.25), TrainConfig(capacity_warmup=4)
+    assert [capacity_at(step, model_config, train_config) for step in (1, 2, 3, 4, 5)] == [0.8125, 0.625, 0.4375,
+                                                                                          0.25, 0.25]
+    config = tiny_run_config(corpus_file, tmp_path / "run", max_steps=5, eval_every=5, eval_batches=1,
+                             capacity_warmup=4, log_every=1)
+    train(RunConfig(model=router_config("topk", capacity=0.25), data=config.data, train=config.train), quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["capacity"] for r in records] == [0.8125, 0.625, 0.4375, 0.25, 0.25]
+    model = fresh_model("topk", capacity=0.25)
+    with torch.no_grad():  # the capacity in force sets k of the step: floor(capacity x T)
+        _, records = model(torch.randint(0, 256, (2, 32)), "topk", return_records=True, capacity=0.8125)
+    assert [r.selection.selected_idx.shape[1] for r in records] == [26, 26]
+
+
+def test_router_parameters_learn_at_their_own_rate():
+    from modcli.config import TrainConfig
+    from modcli.training import make_optimizer
+
+    model = fresh_model("topk")
+    scaled = make_optimizer(model, TrainConfig(router_lr_scale=0.1))
+    by_group = {id(p): group["lr_scale"] for group in scaled.param_groups for p in group["params"]}
+    for name, param in model.named_parameters():
+        assert by_group[id(param)] == (0.1 if ".router." in name else 1.0), name
+    plain = make_optimizer(model, TrainConfig())
+    assert len(plain.param_groups) == 2  # the same two groups as before the flag: old optimizer states load
