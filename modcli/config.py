@@ -47,7 +47,7 @@ class ModelConfig:
     route_offset: int = 1
     """Index of the first routed block (block i is routed when i % route_every == route_offset)."""
     router: str = "topk"
-    """Router kind of the routed blocks (modcli.routing.registry): topk, random or threshold."""
+    """Router kind of the routed blocks (modcli.routing.registry): topk, random, threshold or attention."""
     router_weight: str = "sigmoid"
     """How the router logit scales the block's delta: sigmoid, identity (the paper) or none (gating off)."""
     router_hidden: int = 0
@@ -97,8 +97,14 @@ class ModelConfig:
                 f"--threshold must be in [0, 1), got {self.threshold}")
         require(self.capacity_max is None or 0.0 < self.capacity_max <= 1.0,
                 f"--capacity-max must be in (0, 1], got {self.capacity_max}")
-        require(self.router != "random" or self.router_hidden == 0,
-                "--router-hidden: the random router has no parameters")
+        require(self.router not in ("random", "attention") or self.router_hidden == 0,
+                f"--router-hidden: the {self.router} router has no parameters")
+        if self.router == "attention" and self.route_every:
+            require(self.predictor_hidden > 0, "--router attention decodes with a predictor: --predictor-hidden must "
+                                               "be > 0")
+            require(self.route_every >= 2 and self.route_offset % self.route_every >= 1,
+                    "--router attention reads the attention maps of the block before each routed block, which must be "
+                    "dense: use --route-every >= 2 and a --route-offset that is not a multiple of it")
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
 

@@ -70,7 +70,12 @@ def training_flops(config: ModelConfig, seq_len: int) -> int:
     """
     forward = flops(config, seq_len, include_predictor=True)
     predictor_input_grad = 2 * seq_len * config.d_model * config.predictor_hidden * len(config.routed_layers())
-    attention_recompute = forward.attention_scores // 2
+    # A dense block feeding an A-MoD router computes its attention explicitly (two plain matmuls): no recompute.
+    explicit = 0
+    if not config.dense and router_class(config.router).reads_previous_attention:
+        explicit = sum(2 * 2 * seq_len * seq_len * config.d_model for layer in range(config.n_layers - 1)
+                       if not config.is_routed(layer) and config.is_routed(layer + 1))
+    attention_recompute = (forward.attention_scores - explicit) // 2
     return 3 * forward.total + attention_recompute - (predictor_input_grad if forward.predictor else 0)
 
 

@@ -51,10 +51,13 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None) -> Tensor:
+                prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None, received: dict | None = None) -> Tensor:
         """Causal attention among the n given tokens (B, n, D), which are in ascending original order.
 
-        With `prefill = (cache, rows, counts)` their K/V are also written to the cache.
+        With `prefill = (cache, rows, counts)` their K/V are also written to the cache. With a `received` dict, the
+        attention probabilities are computed explicitly (no fused kernel) and `received["scores"]` is set to the
+        attention each token receives (B, n): summed over the queries that can see it, divided by their number
+        (n - j for token j, so early tokens are not favoured), averaged over heads; no gradient (A-MoD's score).
         """
         batch, n, d_model = x.shape
         q, k, v = self._heads(x, cos, sin)
@@ -62,7 +65,15 @@ class Attention(nn.Module):
             cache, rows, counts = prefill
             cache.write_prefix(rows, k, v, counts)
         dropout = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, n, hd)
+        if received is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, n, hd)
+        else:
+            scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, n, n)
+            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()  # (n, n) query >= key
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, H, n, n)
+            seen_by = n - torch.arange(n, device=x.device)  # (n,) queries that can see each token
+            received["scores"] = (probs.detach().sum(dim=2).mean(dim=1) / seen_by)  # (B, n)
+            out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
         return self.proj(out.transpose(1, 2).reshape(batch, n, d_model))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
@@ -97,17 +108,24 @@ class Block(nn.Module):
         self.delta_dropout = nn.Dropout(config.dropout)
         self.routed = config.is_routed(layer)
         self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
+        router_kind = router_class(config.router)
+        # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received.
+        self.feeds_router = (not self.routed and config.is_routed(layer + 1) and layer + 1 < config.n_layers
+                             and router_kind.reads_previous_attention)
 
-    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None) -> Tensor:
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None) -> Tensor:
         """f(x) of a pre-norm block: the attention update plus the MLP update, without the residual."""
-        attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill))
+        attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received))
         mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update)))
         return attn_update + mlp_update
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, routing: str, want_predictor: bool = False,
                 cache: LayerKVCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
-                capacity: float | None = None, k: int | None = None) -> tuple[Tensor, RoutingRecord | None]:
-        """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D) and what the block routed.
+                capacity: float | None = None, k: int | None = None, previous_attention: Tensor | None = None,
+                ) -> tuple[Tensor, RoutingRecord | Tensor | None]:
+        """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D), and: a routed block's RoutingRecord; for a dense block that
+        feeds an attention-reading router (A-MoD) in a full-sequence mode, the attention each token received (B, T),
+        which the model hands to the next block as `previous_attention`; else None.
 
         `routing` is one of the router's modes: a causal one decides token by token, a full-sequence one keeps a
         fixed number of tokens, `k` (default from `capacity`, default the configured one). `lengths` (B,): rows
@@ -122,12 +140,15 @@ class Block(nn.Module):
                 counts = lengths if lengths is not None else torch.full(
                     (batch,), seq_len, device=x.device, dtype=torch.long)  # (B,)
                 prefill = (cache, cache_rows, counts)
-            return x + self.delta(x, cos[None], sin[None], prefill), None
+            received = {} if self.feeds_router and not router_class(self.config.router).capabilities.is_causal(
+                routing) else None
+            x = x + self.delta(x, cos[None], sin[None], prefill, received)
+            return x, (received["scores"] if received else None)
 
         router = self.router
         capacity = self.config.capacity if capacity is None else capacity
         positions = torch.arange(seq_len, device=x.device)  # (T,)
-        router_logits = router.logits(x, positions)  # (B, T)
+        router_logits = router.logits(x, positions, previous_attention)  # (B, T)
         predictor_logits = router.predictor_logits(x) if want_predictor or routing == "predictor" else None
         if router.capabilities.is_causal(routing):
             decisions = router.decide(x, router_logits, routing, positions, capacity, predictor_logits)  # (B, T)
@@ -268,11 +289,14 @@ class MoDDecoder(nn.Module):
         records = []
         if cache is not None and cache_rows is None:
             cache_rows = torch.arange(batch, device=tokens.device)
+        previous_attention = None
         for layer, block in enumerate(self.blocks):
             layer_cache = cache.layers[layer] if cache is not None else None
-            x, record = block(x, cos, sin, routing, return_records, layer_cache, cache_rows, lengths, capacity, k)
-            if record is not None:
-                records.append(record)
+            x, out = block(x, cos, sin, routing, return_records, layer_cache, cache_rows, lengths, capacity, k,
+                           previous_attention)
+            previous_attention = out if isinstance(out, Tensor) else None  # (B, T) for an A-MoD router next
+            if isinstance(out, RoutingRecord):
+                records.append(out)
         if cache is not None:
             cache.positions[cache_rows] = seq_len if lengths is None else lengths
         logits = self.head(self.norm(x))  # (B, T, V)

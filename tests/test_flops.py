@@ -12,7 +12,8 @@ from modcli.model import MoDDecoder
 from tests.conftest import tiny_model_config
 
 SHAPES = [dict(route_every=0), dict(capacity=0.125, seq_len=64), dict(capacity=0.5),
-          dict(route_every=1, route_offset=0, tie_embeddings=False), dict(predictor_hidden=0)]
+          dict(route_every=1, route_offset=0, tie_embeddings=False), dict(predictor_hidden=0),
+          dict(router="attention"), dict(router="random"), dict(router_hidden=8)]
 
 
 @pytest.mark.parametrize("overrides", SHAPES)

@@ -22,7 +22,7 @@ Json = Annotated[bool, typer.Option("--json", help="Print exactly one JSON objec
 Capacity = Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")]
 RouteEvery = Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")]
 RouteOffset = Annotated[Optional[int], typer.Option(help="Index of the first routed block.")]
-Router = Annotated[Optional[str], typer.Option(help="Router kind: topk, random or threshold.")]
+Router = Annotated[Optional[str], typer.Option(help="Router kind: topk, random, threshold or attention (A-MoD).")]
 RouterWeight = Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")]
 RouterHidden = Annotated[Optional[int], typer.Option(help="MLP router width (0 = linear).")]
 Threshold = Annotated[Optional[float], typer.Option(

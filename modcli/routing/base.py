@@ -84,6 +84,9 @@ class Router(nn.Module):
 
     kind: ClassVar[str]
     capabilities: ClassVar[RouterCapabilities]
+    reads_previous_attention: ClassVar[bool] = False
+    """True when the router scores tokens by the attention they received in the block before (A-MoD): that block
+    then computes its attention probabilities explicitly in full-sequence modes."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -96,8 +99,9 @@ class Router(nn.Module):
         caps = self.capabilities
         return tuple(m for m in caps.modes if m not in caps.needs_predictor or self.predictor is not None)
 
-    def logits(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Per-token scores (B, T) of x (B, T, D) at positions (B, T) or (T,)."""
+    def logits(self, x: Tensor, positions: Tensor, previous_attention: Tensor | None = None) -> Tensor:
+        """Per-token scores (B, T) of x (B, T, D) at positions (B, T) or (T,); `previous_attention` (B, T) is what
+        each token received in the block before, for routers that read it."""
         raise NotImplementedError
 
     def weight(self, logits: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ class RandomRouter(Router):
                        "non-causal: which k depends on T)",
                "router": "a token is processed with probability capacity, by a hash of layer and position (causal)"})
 
-    def logits(self, x: Tensor, positions: Tensor) -> Tensor:
+    def logits(self, x: Tensor, positions: Tensor, previous_attention: Tensor | None = None) -> Tensor:
         batch, seq_len = x.shape[:2]
         if self.training:
             return torch.rand(batch, seq_len, device=x.device)  # (B, T) fresh scores every step

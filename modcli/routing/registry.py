@@ -33,6 +33,8 @@ ROUTERS: dict[str, RouterSpec] = {spec.kind: spec for spec in (
     RouterSpec("threshold", "modcli.routing.threshold:ThresholdRouter",
                "threshold-p (MoDification): processed when sigmoid(logit) > p, the same rule in training and decoding",
                options=("threshold", "capacity_max")),
+    RouterSpec("attention", "modcli.routing.attention:AttentionRouter",
+               "A-MoD: top-k of the attention each token received in the dense block before; decodes with a predictor"),
 )}
 
 

@@ -59,7 +59,7 @@ class ThresholdRouter(Router):
     def static_fraction(self, capacity: float) -> tuple[int, int]:
         return self.cap_fraction(self.config)
 
-    def logits(self, x: Tensor, positions: Tensor) -> Tensor:
+    def logits(self, x: Tensor, positions: Tensor, previous_attention: Tensor | None = None) -> Tensor:
         return self.score(x).squeeze(-1)  # (B, T)
 
     def weight(self, logits: Tensor) -> Tensor:

@@ -60,7 +60,7 @@ class TopKRouter(Router):
         self.predictor = Predictor(config.d_model, config.predictor_hidden) if config.predictor_hidden else None
         self.weight_function = ROUTER_WEIGHT_FUNCTIONS[config.router_weight]
 
-    def logits(self, x: Tensor, positions: Tensor) -> Tensor:
+    def logits(self, x: Tensor, positions: Tensor, previous_attention: Tensor | None = None) -> Tensor:
         return self.score(x).squeeze(-1)  # (B, T)
 
     def weight(self, logits: Tensor) -> Tensor:
