@@ -92,7 +92,7 @@ class DecoderCache:
         """Dense layers get `max_tokens` slots up front; routed layers start at the top-k share and grow."""
         layers = []
         for layer in range(config.n_layers):
-            if config.is_routed(layer):
+            if config.attention_is_routed(layer):
                 slots = min(max_tokens, max(16, 2 * config.capacity_tokens(max_tokens)))
             else:
                 slots = max_tokens

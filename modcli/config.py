@@ -14,6 +14,7 @@ from modcli.errors import UserError
 from modcli.routing.registry import ROUTERS
 
 ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
+ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,6 +57,9 @@ class ModelConfig:
     """threshold router: a token is processed when sigmoid(router logit) > threshold (default 0.5)."""
     capacity_max: float | None = None
     """threshold router: most tokens per sequence in the static-shape mode (export, compile); default 2 x capacity."""
+    route_part: str = "block"
+    """What a routed block skips for unselected tokens: block (attention and MLP), attention (only attention; the
+    MLP runs on every token) or mlp (only the MLP; attention, and so the KV cache, covers every token)."""
     predictor_hidden: int = 32
     """Hidden width of the causal predictor MLP per routed block; 0 trains no predictor."""
     dropout: float = 0.0
@@ -88,6 +92,8 @@ class ModelConfig:
         )
         require(self.predictor_hidden >= 0, f"--predictor-hidden must be >= 0, got {self.predictor_hidden}")
         require(self.router in ROUTERS, f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        require(self.route_part in ROUTE_PARTS,
+                f"--route-part must be one of {', '.join(ROUTE_PARTS)}, got {self.route_part!r}")
         require(self.router_hidden >= 0, f"--router-hidden must be >= 0, got {self.router_hidden}")
         for option in ("threshold", "capacity_max"):
             owner = next(kind for kind, spec in ROUTERS.items() if option in spec.options)
@@ -127,6 +133,13 @@ class ModelConfig:
 
     def routed_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_routed(i)]
+
+    def attention_is_routed(self, layer: int) -> bool:
+        """The layer's attention (and so its KV cache) covers only the tokens its router selects."""
+        return self.is_routed(layer) and self.route_part != "mlp"
+
+    def mlp_is_routed(self, layer: int) -> bool:
+        return self.is_routed(layer) and self.route_part != "attention"
 
     def capacity_tokens(self, seq_len: int) -> int:
         """k for a sequence of `seq_len` tokens: max(1, floor(capacity x T)), in exact integer arithmetic.

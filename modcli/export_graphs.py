@@ -71,12 +71,15 @@ class ForwardGraph(nn.Module):
 
 
 def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-                  lengths: Tensor, write: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                  lengths: Tensor, write: Tensor | None, part: str = "block") -> tuple[Tensor, Tensor, Tensor]:
     """f(x) for one token per row x (B, 1, D), with its K/V written at slot lengths[b] of each row's cache.
 
     `write` (B,) bool: rows whose K/V are stored; the other rows' slot keeps its old content (None: all rows).
     The attention mask covers slots 0..lengths[b], the slot just written included, so no row is fully masked.
+    `part` as in `Block.delta`: block (attention and MLP), attention, or mlp (no cache access).
     """
+    if part == "mlp":
+        return block.mlp(block.mlp_norm(x)), keys, values
     batch, _, d_model = x.shape
     attn = block.attn
     q, k, v = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd)
@@ -92,6 +95,8 @@ def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tenso
     out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
                                          attn_mask=visible[:, None, None, :])  # (B, H, 1, hd)
     attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, d_model))  # (B, 1, D)
+    if part == "attention":
+        return attn_update, keys, values
     delta = attn_update + block.mlp(block.mlp_norm(x + attn_update))
     return delta, keys, values
 
@@ -126,9 +131,23 @@ class DecodeStepGraph(nn.Module):
             router_logits = block.router.logits(x, positions[:, None])  # (B, 1)
             decisions = block.router.decide(x, router_logits, self.routing, positions[:, None],
                                             config.capacity)[:, 0]  # (B,) causal yes/no
+            part = config.route_part
+            if part == "mlp":  # every row attends and is cached; only the MLP is routed, and its If holds no cache
+                attn_update, keys, values = _decode_delta(block, x, cos, sin, keys, values, lengths, None, "attention")
+                x, lengths = x + attn_update.to(x.dtype), lengths + 1
 
-            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block):
-                delta, keys, values = _decode_delta(block, x, cos, sin, keys, values, lengths, decisions)
+                def mlp_only(x, router_logits, decisions, block=block):
+                    weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
+                    return residual_update(x, block.mlp(block.mlp_norm(x)), weight, keep=decisions[:, None, None])
+
+                x = torch.cond(decisions.any(), mlp_only, lambda x, router_logits, decisions: x.clone(),
+                               (x, router_logits, decisions))
+                new_cache += [keys, values, lengths]
+                processed.append(decisions)
+                continue
+
+            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block, part=part):
+                delta, keys, values = _decode_delta(block, x, cos, sin, keys, values, lengths, decisions, part)
                 weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
                 x = residual_update(x, delta, weight, keep=decisions[:, None, None])  # skipped rows: x bit for bit
                 return x, keys, values, lengths + decisions.to(lengths.dtype)
@@ -138,6 +157,8 @@ class DecodeStepGraph(nn.Module):
 
             x, keys, values, lengths = torch.cond(
                 decisions.any(), process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions))
+            if part == "attention":  # only attention was routed; the MLP runs on every row
+                x = x + block.mlp(block.mlp_norm(x))
             new_cache += [keys, values, lengths]
             processed.append(decisions)
         logits = model.head(model.norm(x))[:, 0]  # (B, V)

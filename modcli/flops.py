@@ -38,9 +38,11 @@ class FlopBreakdown:
         return {**asdict(self), "total": self.total}
 
 
-def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> int:
-    """Tokens a block processes in a forward pass of `seq_len` tokens at the configured capacity."""
-    return config.capacity_tokens(seq_len) if config.is_routed(layer) else seq_len
+def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> tuple[int, int]:
+    """(attention, MLP) tokens a block processes in a forward pass of `seq_len` tokens at the configured capacity
+    (--route-part decides which of the two a routed block restricts to its selected tokens)."""
+    k = config.capacity_tokens(seq_len)
+    return (k if config.attention_is_routed(layer) else seq_len, k if config.mlp_is_routed(layer) else seq_len)
 
 
 def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False) -> FlopBreakdown:
@@ -48,10 +50,10 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False) ->
     d, hidden = config.d_model, config.hidden
     out = FlopBreakdown()
     for layer in range(config.n_layers):
-        n = block_tokens(config, layer, seq_len)
+        n, n_mlp = block_tokens(config, layer, seq_len)
         out.attention_proj += 2 * n * d * 3 * d + 2 * n * d * d  # qkv and output projections
         out.attention_scores += 2 * 2 * n * n * d  # q k^T and (scores) v, over all heads
-        out.mlp += 2 * n * d * 2 * hidden + 2 * n * hidden * d  # SwiGLU gate+up, down
+        out.mlp += 2 * n_mlp * d * 2 * hidden + 2 * n_mlp * hidden * d  # SwiGLU gate+up, down
         if config.is_routed(layer):
             router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
             out.router += router
@@ -84,17 +86,17 @@ def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tup
     """FLOPs of one decode step (one new token for each of `batch` sequences), as `MoDDecoder.decode_step` runs it.
 
     `layer_work[layer] = (rows, slots)`: how many rows the layer processed the token for, and how many cache slots
-    their attention reads (the cache's longest row including the new token: rows attend over one padded span). A
-    routed layer's router runs for every row (its logit is the decision or the weight), its predictor only with
-    `routing="predictor"`.
+    their attention reads (the cache's longest row including the new token: rows attend over one padded span); with
+    --route-part attention or mlp, `(attention_rows, slots, mlp_rows)`. A routed layer's router runs for every row
+    (its logit is the decision or the weight), its predictor only with `routing="predictor"`.
     """
     d, hidden = config.d_model, config.hidden
     out = FlopBreakdown()
     for layer in range(config.n_layers):
-        rows, slots = layer_work[layer]
+        rows, slots, *mlp_rows = layer_work[layer]
         out.attention_proj += rows * (2 * d * 3 * d + 2 * d * d)
         out.attention_scores += rows * 2 * 2 * slots * d
-        out.mlp += rows * (2 * d * 2 * hidden + 2 * hidden * d)
+        out.mlp += (mlp_rows[0] if mlp_rows else rows) * (2 * d * 2 * hidden + 2 * hidden * d)
         if config.is_routed(layer):
             router, predictor = router_class(config.router).flops(config, batch, routing == "predictor")
             out.router += router

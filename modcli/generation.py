@@ -165,7 +165,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
 
     positions = cache.positions.sum().item()
     processed = {f"block{layer}": cache.layers[layer].lengths.sum().item() / positions
-                 for layer in model.config.routed_layers()}
+                 for layer in model.config.routed_layers() if model.config.attention_is_routed(layer)}
     return GenerateResult(
         texts=[bytes(out).decode("utf-8", errors="replace") for out in outputs],
         new_tokens=batch * config.max_new_tokens, prefill_s=prefill_s, decode_s=decode_s,

@@ -113,9 +113,15 @@ class Block(nn.Module):
         self.feeds_router = (not self.routed and config.is_routed(layer + 1) and layer + 1 < config.n_layers
                              and router_kind.reads_previous_attention)
 
-    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None) -> Tensor:
-        """f(x) of a pre-norm block: the attention update plus the MLP update, without the residual."""
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
+              part: str = "block") -> Tensor:
+        """f(x) of a pre-norm block without the residual: the attention update plus the MLP update (part "block"),
+        or only the attention update ("attention") or only the MLP update ("mlp")."""
+        if part == "mlp":
+            return self.delta_dropout(self.mlp(self.mlp_norm(x)))
         attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received))
+        if part == "attention":
+            return attn_update
         mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update)))
         return attn_update + mlp_update
 
@@ -159,12 +165,23 @@ class Block(nn.Module):
             selection = router.select(router_logits, routing, k if k is not None else
                                       router.static_tokens(seq_len, capacity))
         record = RoutingRecord(self.layer, routing, router, router_logits, predictor_logits, selection, capacity)
-        return self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows), record
+        part = self.config.route_part
+        if part == "mlp":  # attention (and the KV cache) covers every token; only the MLP is routed
+            counts = lengths if lengths is not None else torch.full((batch,), seq_len, device=x.device,
+                                                                     dtype=torch.long)  # (B,)
+            prefill = (cache, cache_rows, counts) if cache is not None else None
+            x = x + self.delta_dropout(self.attn(self.attn_norm(x), cos[None], sin[None], prefill))
+            cache = None
+        x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows)
+        if part == "attention":  # only attention was routed; the MLP runs on every token
+            x = x + self.delta_dropout(self.mlp(self.mlp_norm(x)))
+        return x, record
 
     def update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
                         cache: LayerKVCache | None = None, cache_rows: Tensor | None = None) -> Tensor:
-        """Run the block on the selected tokens only and write `x + w * f(x)` back at their positions; every other
-        token (and every padding slot) stays x bit for bit. With `cache`, their K/V are written to it (prefill)."""
+        """Run the routed part of the block (--route-part) on the selected tokens only and write `x + w * f(x)` back
+        at their positions; every other token (and every padding slot) stays x bit for bit. With `cache`, their
+        K/V are written to it (prefill)."""
         idx = selection.selected_idx  # (B, k)
         if idx.shape[1] == 0:
             if cache is not None:
@@ -172,7 +189,7 @@ class Block(nn.Module):
             return x  # no sequence processed any token: the block costs nothing
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None
-        delta = self.delta(x_selected, cos[idx], sin[idx], prefill)  # (B, k, D)
+        delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.config.route_part)  # (B, k, D)
         weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
         keep = None if selection.valid is None else selection.valid.unsqueeze(-1)  # (B, k, 1)
         return scatter_tokens(x, idx, residual_update(x_selected, delta, weight, keep))
@@ -184,22 +201,34 @@ class Block(nn.Module):
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope_tables(positions[:, None], self.config.head_dim, self.config.rope_base)
             return x + self._decode_delta(x, cos, sin, cache, rows)
-        router = self.router
+        router, part = self.router, self.config.route_part
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
         decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)
+        if part == "mlp":  # every row attends and is cached; only the MLP is routed
+            rows = torch.arange(batch, device=x.device)
+            cos, sin = rope_tables(positions[:, None], self.config.head_dim, self.config.rope_base)
+            x = x + self._decode_delta(x, cos, sin, cache, rows, "attention")
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
-        if rows.numel() == 0:
-            return x
-        x_rows = x[rows]  # (n, 1, D)
-        cos, sin = rope_tables(positions[rows][:, None], self.config.head_dim, self.config.rope_base)
-        weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
-        delta = self._decode_delta(x_rows, cos, sin, cache, rows)  # (n, 1, D)
-        return x.index_put((rows,), residual_update(x_rows, delta, weight))
+        if rows.numel():
+            x_rows = x[rows]  # (n, 1, D)
+            cos, sin = rope_tables(positions[rows][:, None], self.config.head_dim, self.config.rope_base)
+            weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
+            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part)  # (n, 1, D)
+            x = x.index_put((rows,), residual_update(x_rows, delta, weight))
+        if part == "attention":  # only attention was routed; the MLP runs on every row
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
 
-    def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
+    def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor,
+                      part: str = "block") -> Tensor:
+        """f(x) of one token per row (n, 1, D) with the KV cache; `part` as in `delta`."""
+        if part == "mlp":
+            return self.mlp(self.mlp_norm(x))
         attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows)
+        if part == "attention":
+            return attn_update
         return attn_update + self.mlp(self.mlp_norm(x + attn_update))
 
 

@@ -585,7 +585,8 @@ def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_l
             out[name].kv_cache_dense_allocated_bytes = cache.dense_equivalent_allocated_bytes()
             held = cache.positions.sum().item()
             out[name].processed_fraction = {f"block{layer}": cache.layers[layer].lengths.sum().item() / held
-                                            for layer in m.config.routed_layers()}
+                                            for layer in m.config.routed_layers()
+                                            if m.config.attention_is_routed(layer)}
     return out
 
 

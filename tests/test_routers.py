@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from modcli.cache import DecoderCache
 from modcli.cli import app
 from modcli.config import RunConfig
-from modcli.model import MoDDecoder
+from modcli.model import MoDDecoder, rope_tables
 from modcli.routing.registry import ROUTERS
 from tests.conftest import tiny_model_config, tiny_run_config
 
@@ -260,3 +260,56 @@ def test_router_parameters_learn_at_their_own_rate():
         assert by_group[id(param)] == (0.1 if ".router." in name else 1.0), name
     plain = make_optimizer(model, TrainConfig())
     assert len(plain.param_groups) == 2  # the same two groups as before the flag: old optimizer states load
+
+
+PARTS = ["attention", "mlp"]
+
+
+@pytest.mark.parametrize("part", PARTS)
+@torch.no_grad()
+def test_route_part_caches_what_it_computed_and_decodes_like_the_full_forward(part):
+    model = fresh_model("topk", route_part=part)
+    tokens = torch.randint(0, 256, (3, 30))
+    for mode in model.causal_modes():
+        full, records = model(tokens, mode, return_records=True)
+        cache = DecoderCache.allocate(model.config, 3, 30, torch.device("cpu"))
+        steps = [model(tokens[:, :9], mode, cache=cache)[:, -1]]
+        steps += [model.decode_step(tokens[:, t], cache, mode) for t in range(9, 30)]
+        torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 8:], atol=ATOL, rtol=0)
+        for record in records:  # routed attention caches its tokens; a routed MLP leaves attention (and cache) whole
+            want = record.selection.counts.tolist() if part == "attention" else [30, 30, 30]
+            assert cache.layers[record.layer].lengths.tolist() == want
+
+
+@pytest.mark.parametrize("part", PARTS)
+@torch.no_grad()
+def test_route_part_routes_only_its_part(part):
+    """Capacity 1 without gating is the dense twin; a skipped token still gets the part that is not routed."""
+    full = fresh_model("topk", route_part=part, router_weight="none", capacity=1.0)
+    dense = MoDDecoder(full.config.dense_twin()).eval()
+    dense.load_state_dict(full.state_dict(), strict=False)
+    tokens = torch.randint(0, 256, (2, 24))
+    torch.testing.assert_close(full(tokens, "topk"), dense(tokens), atol=1e-5, rtol=0)
+
+    block = fresh_model("topk", route_part=part).blocks[1]
+    x = torch.randn(2, 16, 32)
+    cos, sin = rope_tables(torch.arange(16), block.config.head_dim, block.config.rope_base)
+    out, record = block(x, cos, sin, "topk")
+    chosen = torch.zeros(2, 16, dtype=torch.bool).scatter(1, record.selection.selected_idx, True)
+    # A skipped token gets exactly the part that is not routed: with part mlp, attention over every token; with
+    # part attention, the MLP on the token as it left the (skipped) attention, i.e. on x.
+    expected = x + block.delta(x, cos[None], sin[None], part="attention" if part == "mlp" else "mlp")
+    torch.testing.assert_close(out[~chosen], expected[~chosen], atol=1e-5, rtol=0)
+    assert not torch.allclose(out[~chosen], x[~chosen])  # the part that is not routed still ran
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_route_part_exports_to_onnx_equal_to_eager(part, tmp_path, corpus_file):
+    from modcli.export_bundle import ExportConfig, export
+    from modcli.training import train
+
+    config = tiny_run_config(corpus_file, tmp_path / "run", max_steps=4, eval_every=4, eval_batches=1)
+    train(RunConfig(model=router_config("topk", route_part=part), data=config.data, train=config.train), quiet=True)
+    result = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "bundle"), provider="cpu",
+                                 decode_steps=4))
+    assert result.valid, result.failures

@@ -17,6 +17,7 @@ from modcli.commands.common import (
     PredictorHidden,
     RouteEvery,
     RouteOffset,
+    RoutePart,
     Router,
     RouterHidden,
     RouterWeight,
@@ -48,6 +49,7 @@ def profile(
     router_hidden: RouterHidden = None,
     threshold: Threshold = None,
     capacity_max: CapacityMax = None,
+    route_part: RoutePart = None,
     predictor_hidden: PredictorHidden = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to profile (default: the model's).")] = None,
     seq_lens: Annotated[Optional[str], typer.Option(help="Sweep, comma-separated, e.g. 256,512,1024,2048.")] = None,
@@ -77,7 +79,7 @@ def profile(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden, vocab_size=vocab_size,
         capacity=capacity, route_every=route_every, route_offset=route_offset, router=router,
         router_weight=router_weight, router_hidden=router_hidden, threshold=threshold, capacity_max=capacity_max,
-        predictor_hidden=predictor_hidden).items() if v is not None}
+        route_part=route_part, predictor_hidden=predictor_hidden).items() if v is not None}
     model = None
     if checkpoint is None or model_flags or preset or config:
         from modcli.config import resolve_run_config
