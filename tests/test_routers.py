@@ -79,10 +79,13 @@ def test_causal_modes_are_causal(kind):
         assert (counts > 0).any() and (counts < 32).any(), f"{mode}: both branches must be used"
 
 
-@pytest.mark.parametrize("kind", KINDS)
+PARTS = ["attention", "mlp"]
+
+
+@pytest.mark.parametrize("kind, part", [(kind, "block") for kind in KINDS] + [("topk", part) for part in PARTS])
 @torch.no_grad()
-def test_cached_decoding_equals_the_causal_full_forward(kind):
-    model = fresh_model(kind)
+def test_cached_decoding_equals_the_causal_full_forward(kind, part):
+    model = fresh_model(kind, route_part=part)
     tokens = torch.randint(0, 256, (3, 30))
     for mode in model.causal_modes():
         full, records = model(tokens, mode, return_records=True)
@@ -90,8 +93,9 @@ def test_cached_decoding_equals_the_causal_full_forward(kind):
         steps = [model(tokens[:, :9], mode, cache=cache)[:, -1]]
         steps += [model.decode_step(tokens[:, t], cache, mode) for t in range(9, 30)]
         torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 8:], atol=ATOL, rtol=0)
-        for record in records:  # the cache of a routed block holds exactly the tokens it processed
-            assert cache.layers[record.layer].lengths.tolist() == record.selection.counts.tolist()
+        for record in records:  # the cache holds exactly what was computed: the routed attention's tokens, or all
+            want = [30, 30, 30] if part == "mlp" else record.selection.counts.tolist()
+            assert cache.layers[record.layer].lengths.tolist() == want
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -260,25 +264,6 @@ def test_router_parameters_learn_at_their_own_rate():
         assert by_group[id(param)] == (0.1 if ".router." in name else 1.0), name
     plain = make_optimizer(model, TrainConfig())
     assert len(plain.param_groups) == 2  # the same two groups as before the flag: old optimizer states load
-
-
-PARTS = ["attention", "mlp"]
-
-
-@pytest.mark.parametrize("part", PARTS)
-@torch.no_grad()
-def test_route_part_caches_what_it_computed_and_decodes_like_the_full_forward(part):
-    model = fresh_model("topk", route_part=part)
-    tokens = torch.randint(0, 256, (3, 30))
-    for mode in model.causal_modes():
-        full, records = model(tokens, mode, return_records=True)
-        cache = DecoderCache.allocate(model.config, 3, 30, torch.device("cpu"))
-        steps = [model(tokens[:, :9], mode, cache=cache)[:, -1]]
-        steps += [model.decode_step(tokens[:, t], cache, mode) for t in range(9, 30)]
-        torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 8:], atol=ATOL, rtol=0)
-        for record in records:  # routed attention caches its tokens; a routed MLP leaves attention (and cache) whole
-            want = record.selection.counts.tolist() if part == "attention" else [30, 30, 30]
-            assert cache.layers[record.layer].lengths.tolist() == want
 
 
 @pytest.mark.parametrize("part", PARTS)
