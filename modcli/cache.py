@@ -96,7 +96,7 @@ class DecoderCache:
                 slots = min(max_tokens, max(16, 2 * config.capacity_tokens(max_tokens)))
             else:
                 slots = max_tokens
-            layers.append(LayerKVCache(batch, config.n_heads, config.head_dim, slots, max_tokens, device, dtype))
+            layers.append(LayerKVCache(batch, config.kv_heads, config.head_dim, slots, max_tokens, device, dtype))
         return cls(layers, torch.zeros(batch, dtype=torch.long, device=device), max_tokens)
 
     def stored_bytes(self) -> int:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from modcli.commands import evaluate, generate, profile, train
+from modcli.commands import evaluate, generate, import_command, profile, train
 from modcli.commands import export as export_command
 
 app = typer.Typer(
-    help="Mixture-of-Depths decoders: train, evaluate, generate, profile.",
+    help="Mixture-of-Depths decoders: train, evaluate, generate, profile, export, import.",
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
 )
 app.command("train")(train.train)
@@ -16,6 +16,7 @@ app.command("eval")(evaluate.eval_command)
 app.command("generate")(generate.generate)
 app.command("export")(export_command.export)
 app.command("profile")(profile.profile)
+app.command("import")(import_command.import_command)
 
 
 def main() -> None:

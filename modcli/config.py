@@ -36,7 +36,18 @@ class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks."""
     n_heads: int = 4
-    """Attention heads per block (d_model must be divisible by it)."""
+    """Attention heads per block (d_model must be divisible by it unless --head-size is given)."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention; n_heads must be a multiple); 0 = n_heads."""
+    head_size: int = 0
+    """Width of each attention head; 0 = d_model / n_heads."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    norm_eps: float | None = None
+    """Epsilon of the RMSNorms; None = the dtype's machine epsilon (PyTorch's default)."""
+    rope_scaling: dict[str, Any] | None = None
+    """Llama-3 RoPE frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}; None = plain RoPE."""
     seq_len: int = 128
     """Training context length in tokens."""
     mlp_hidden: int = 0
@@ -75,13 +86,15 @@ class ModelConfig:
         require(self.n_layers >= 1, f"--n-layers must be positive, got {self.n_layers}")
         require(self.n_heads >= 1, f"--n-heads must be positive, got {self.n_heads}")
         require(
-            self.d_model % self.n_heads == 0,
+            self.head_size > 0 or self.d_model % self.n_heads == 0,
             f"--d-model ({self.d_model}) must be divisible by --n-heads ({self.n_heads})",
         )
-        require(
-            (self.d_model // self.n_heads) % 2 == 0,
-            f"head size d_model/n_heads must be even for RoPE, got {self.d_model // self.n_heads}",
-        )
+        require(self.head_dim % 2 == 0, f"the head size must be even for RoPE, got {self.head_dim}")
+        require(self.n_kv_heads >= 0 and self.n_heads % self.kv_heads == 0,
+                f"--n-heads ({self.n_heads}) must be a multiple of the key/value heads ({self.n_kv_heads})")
+        require(self.norm_eps is None or self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
+        require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
+                f"rope_scaling must be of rope_type llama3, got {self.rope_scaling!r}")
         require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
         require(0.0 < self.capacity <= 1.0, f"--capacity must be in (0, 1], got {self.capacity}")
         require(self.route_every >= 0, f"--route-every must be >= 0, got {self.route_every}")
@@ -116,7 +129,11 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def hidden(self) -> int:
@@ -170,6 +187,8 @@ class DataConfig:
     """Pattern of the files to read when --data is a folder."""
     val_fraction: float = 0.02
     """Fraction held out for validation (by file for folders, the tail for a single file)."""
+    tokenizer: str = "bytes"
+    """bytes (token = byte), or a tokenizer.json, relative to the run folder (runs made by `modcli import`)."""
 
     def __post_init__(self) -> None:
         require(0.0 < self.val_fraction < 0.5, f"--val-fraction must be in (0, 0.5), got {self.val_fraction}")

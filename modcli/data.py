@@ -88,6 +88,9 @@ class Corpus:
 
 def load_corpus(config: DataConfig, seq_len: int) -> Corpus:
     """Read the corpus named by `config` and check both splits hold at least one window of seq_len + 1."""
+    if config.tokenizer != "bytes":
+        raise UserError(f"this run reads text with {config.tokenizer}; corpora are byte-level only so far, so train "
+                        "and eval cannot read text for it yet (generate and profile can)")
     if config.data is None:
         root, files = stdlib_files()
         tag = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"

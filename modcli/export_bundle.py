@@ -206,6 +206,9 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
     _check_out(out, config.force)
     _require_runtime()
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
+    if run_config.data.tokenizer != "bytes":
+        raise UserError(f"{checkpoint}: runs with a tokenizer.json cannot be exported yet (bundles and modcli-run read "
+                        "bytes)")
     config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
     model.check_routing(config.routing, causal=True)
     if model.capabilities is not None:
@@ -293,7 +296,7 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
     num, den = model_config.capacity_fraction()
     if "decode" in graphs:
         graphs["decode"]["cache"] = {
-            "n_layers": model_config.n_layers, "n_heads": model_config.n_heads, "head_dim": model_config.head_dim,
+            "n_layers": model_config.n_layers, "n_heads": model_config.kv_heads, "head_dim": model_config.head_dim,
             "dtype": config.dtype, "routed_layers": model_config.routed_layers(), "capacity": [num, den],
             "prefill": PREFILL_NOTE}
     if "forward" in graphs and not model_config.dense:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modcli.model import Block, MoDDecoder, rope_tables
+from modcli.model import Block, MoDDecoder, config_rope
 from modcli.routing.selection import Selection, residual_update
 
 
@@ -80,10 +80,10 @@ def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tenso
     """
     if part == "mlp":
         return block.mlp(block.mlp_norm(x)), keys, values
-    batch, _, d_model = x.shape
+    batch = x.shape[0]
     attn = block.attn
-    q, k, v = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd)
-    slot = lengths.view(batch, 1, 1, 1).expand(batch, attn.n_heads, 1, attn.head_dim)  # (B, H, 1, hd)
+    q, k, v = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd), k and v (B, Hkv, 1, hd)
+    slot = lengths.view(batch, 1, 1, 1).expand(batch, attn.n_kv_heads, 1, attn.head_dim)  # (B, Hkv, 1, hd)
     k, v = k.to(keys.dtype), v.to(values.dtype)
     if write is not None:
         keep = write.view(batch, 1, 1, 1)
@@ -92,9 +92,9 @@ def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tenso
     keys = keys.scatter(2, slot, k)  # (B, H, L, hd)
     values = values.scatter(2, slot, v)
     visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= lengths[:, None]  # (B, L)
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
+    out = F.scaled_dot_product_attention(q, attn.share_kv(keys.to(q.dtype)), attn.share_kv(values.to(q.dtype)),
                                          attn_mask=visible[:, None, None, :])  # (B, H, 1, hd)
-    attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, d_model))  # (B, 1, D)
+    attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
     if part == "attention":
         return attn_update, keys, values
     delta = attn_update + block.mlp(block.mlp_norm(x + attn_update))
@@ -118,7 +118,7 @@ class DecodeStepGraph(nn.Module):
         model = self.model
         config = model.config
         x = model.embed(tokens)[:, None]  # (B, 1, D)
-        cos, sin = rope_tables(positions[:, None], config.head_dim, config.rope_base)  # (B, 1, hd/2)
+        cos, sin = config_rope(config, positions[:, None])  # (B, 1, hd/2)
         new_cache: list[Tensor] = []
         processed: list[Tensor] = []
         for layer, block in enumerate(model.blocks):

@@ -89,7 +89,7 @@ def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
     names, out_names, axes = ["tokens", "positions"], ["logits"], {"tokens": {0: "batch"}, "positions": {0: "batch"}}
     for layer in range(config.n_layers):
         slots = 13 + 2 * layer  # distinct sample sizes: each layer's slot count is its own dimension
-        shape = (2, config.n_heads, slots, config.head_dim)
+        shape = (2, config.kv_heads, slots, config.head_dim)
         cache += [torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype),
                   torch.tensor([4, 7])]
         slot_dim = Dim(f"slots_{layer}", min=1)

@@ -247,7 +247,7 @@ def validate_bundle(folder: Path, model: MoDDecoder, specs: list[GraphSpec], con
             from torch._inductor import aoti_load_package
 
             runners.append(("aoti-cpu", {s.name: aoti_load_package(str(folder / f"{s.name}.aoti.pt2")) for s in specs}))
-        torch_spec = CacheSpec(model_config.n_layers, model_config.n_heads, model_config.head_dim, "float32",
+        torch_spec = CacheSpec(model_config.n_layers, model_config.kv_heads, model_config.head_dim, "float32",
                                model_config.routed_layers(), model_config.capacity_fraction())
         by_name = {s.name: s for s in specs}
         for name, calls in runners:

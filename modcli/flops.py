@@ -48,11 +48,12 @@ def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> tuple[int, in
 def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False) -> FlopBreakdown:
     """Forward FLOPs per sequence of `seq_len` tokens, routed blocks at their capacity."""
     d, hidden = config.d_model, config.hidden
+    q_width, kv_width = config.n_heads * config.head_dim, config.kv_heads * config.head_dim  # GQA: fewer k, v heads
     out = FlopBreakdown()
     for layer in range(config.n_layers):
         n, n_mlp = block_tokens(config, layer, seq_len)
-        out.attention_proj += 2 * n * d * 3 * d + 2 * n * d * d  # qkv and output projections
-        out.attention_scores += 2 * 2 * n * n * d  # q k^T and (scores) v, over all heads
+        out.attention_proj += 2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d  # qkv and output
+        out.attention_scores += 2 * 2 * n * n * q_width  # q k^T and (scores) v, over all query heads
         out.mlp += 2 * n_mlp * d * 2 * hidden + 2 * n_mlp * hidden * d  # SwiGLU gate+up, down
         if config.is_routed(layer):
             router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
@@ -75,7 +76,7 @@ def training_flops(config: ModelConfig, seq_len: int) -> int:
     # A dense block feeding an A-MoD router computes its attention explicitly (two plain matmuls): no recompute.
     explicit = 0
     if not config.dense and router_class(config.router).reads_previous_attention:
-        explicit = sum(2 * 2 * seq_len * seq_len * config.d_model for layer in range(config.n_layers - 1)
+        explicit = sum(2 * 2 * seq_len * seq_len * config.n_heads * config.head_dim for layer in range(config.n_layers - 1)
                        if not config.is_routed(layer) and config.is_routed(layer + 1))
     attention_recompute = (forward.attention_scores - explicit) // 2
     return 3 * forward.total + attention_recompute - (predictor_input_grad if forward.predictor else 0)
@@ -91,11 +92,12 @@ def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tup
     (its logit is the decision or the weight), its predictor only with `routing="predictor"`.
     """
     d, hidden = config.d_model, config.hidden
+    q_width, kv_width = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
     out = FlopBreakdown()
     for layer in range(config.n_layers):
         rows, slots, *mlp_rows = layer_work[layer]
-        out.attention_proj += rows * (2 * d * 3 * d + 2 * d * d)
-        out.attention_scores += rows * 2 * 2 * slots * d
+        out.attention_proj += rows * (2 * d * (q_width + 2 * kv_width) + 2 * q_width * d)
+        out.attention_scores += rows * 2 * 2 * slots * q_width
         out.mlp += (mlp_rows[0] if mlp_rows else rows) * (2 * d * 2 * hidden + 2 * hidden * d)
         if config.is_routed(layer):
             router, predictor = router_class(config.router).flops(config, batch, routing == "predictor")

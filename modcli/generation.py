@@ -14,9 +14,11 @@ from torch import Tensor
 from modcli.cache import DecoderCache
 from modcli.checkpoint import load_model_from
 from modcli.config import require
+from modcli.errors import UserError
 from modcli.model import MoDDecoder
 from modcli.reporting import stderr_console
 from modcli.runtime import TORCH_DTYPES, autocast, resolve_device
+from modcli.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -58,6 +60,8 @@ class GenerateConfig:
 @dataclass
 class GenerateResult:
     texts: list[str]
+    tokens: list[list[int]]
+    """The new token ids of each prompt."""
     new_tokens: int
     prefill_s: float
     decode_s: float
@@ -117,18 +121,22 @@ def prefill(model: MoDDecoder, prompts: Sequence[bytes | list[int]], cache: Deco
 
 @torch.no_grad()
 def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | None = None,
-             model: MoDDecoder | None = None) -> GenerateResult:
-    """Generate from each prompt; `on_bytes(row, new_bytes)` is called as tokens are produced."""
+             model: MoDDecoder | None = None, tokenizer: Tokenizer | None = None) -> GenerateResult:
+    """Generate from each prompt; `on_bytes(row, new_bytes)` is called as tokens are produced (UTF-8 text)."""
     device = resolve_device(config.device)
     if model is None:
-        model, _, _ = load_model_from(config.checkpoint, device)
+        model, run_config, checkpoint = load_model_from(config.checkpoint, device)
+        tokenizer = load_tokenizer(run_config.data.tokenizer, checkpoint.parent)
+    tokenizer = tokenizer or ByteTokenizer()
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
     model.check_routing(routing, causal=True)
     if config.compile:
         for block in model.blocks:
             block.mlp = torch.compile(block.mlp, dynamic=True)
             block.attn.qkv = torch.compile(block.attn.qkv, dynamic=True)
-    prompts = [p.encode("utf-8") for p in config.prompts]
+    prompts = [tokenizer.encode(p) for p in config.prompts]
+    if not all(prompts):
+        raise UserError("--prompt: a prompt encodes to no tokens")
     batch = len(prompts)
     max_tokens = max(len(p) for p in prompts) + config.max_new_tokens
     if max_tokens > model.config.seq_len and on_bytes is not None:
@@ -147,6 +155,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     logits = prefill(model, prompts, cache, routing, device, config.dtype)
     _sync(device)
     prefill_s = time.perf_counter() - start
+    streams = [TextPieces(tokenizer) for _ in prompts]
     start = time.perf_counter()
     for step in range(config.max_new_tokens):
         step_uniforms = uniforms[step] if uniforms is not None else None
@@ -154,7 +163,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         new_tokens[step] = next_tokens
         if on_bytes is not None:  # streaming needs the tokens on the host now; otherwise they move once, below
             for row, token in enumerate(next_tokens.tolist()):
-                on_bytes(row, bytes([token]))
+                on_bytes(row, streams[row](token))
         if step + 1 == config.max_new_tokens:
             break
         with autocast(device, config.dtype):
@@ -167,7 +176,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     processed = {f"block{layer}": cache.layers[layer].lengths.sum().item() / positions
                  for layer in model.config.routed_layers() if model.config.attention_is_routed(layer)}
     return GenerateResult(
-        texts=[bytes(out).decode("utf-8", errors="replace") for out in outputs],
+        texts=[tokenizer.decode(out) for out in outputs], tokens=outputs,
         new_tokens=batch * config.max_new_tokens, prefill_s=prefill_s, decode_s=decode_s,
         tokens_per_s=batch * config.max_new_tokens / max(prefill_s + decode_s, 1e-9),
         processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
@@ -178,6 +187,24 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+class TextPieces:
+    """One row's output as it grows, as UTF-8 bytes: a byte token is its byte; with a tokenizer.json, the text the
+    whole row decodes to now, less what was already given (a token can complete a character begun before)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def __call__(self, token: int) -> bytes:
+        if isinstance(self.tokenizer, ByteTokenizer):
+            return bytes([token]) if token < 256 else b""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.startswith(self.text):  # a decoder that rewrites earlier text: wait until it settles
+            return b""
+        piece, self.text = text[len(self.text):], text
+        return piece.encode("utf-8")
 
 
 class Utf8Stream:

@@ -21,11 +21,31 @@ from modcli.routing.registry import router_class
 from modcli.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal
 
 
-def rope_tables(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
-    """Positions (...,) -> cos, sin (..., head_dim/2) in float32."""
+def rope_tables(positions: Tensor, head_dim: int, base: float,
+                scaling: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Positions (...,) -> cos, sin (..., head_dim/2) in float32; `scaling`: Llama-3 frequency scaling."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., hd/2)
     return angles.cos(), angles.sin()
+
+
+def config_rope(config: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """`rope_tables` with the model's head size, base and scaling."""
+    return rope_tables(positions, config.head_dim, config.rope_base, config.rope_scaling)
+
+
+def llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3.1's RoPE scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    middle = (wavelength <= original / low) & (wavelength >= original / high)
+    return torch.where(middle, ramp, scaled)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -39,16 +59,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads = config.n_heads
-        self.head_dim = config.head_dim
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
-        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        self.sizes = [config.n_heads * config.head_dim] + 2 * [config.kv_heads * config.head_dim]  # q, k, v
+        self.qkv = nn.Linear(config.d_model, sum(self.sizes), bias=config.qkv_bias)
+        self.proj = nn.Linear(self.sizes[0], config.d_model, bias=False)
         self.dropout = config.dropout
 
     def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, n, hd) and k, v (B, Hkv, n, hd), RoPE applied to q and k."""
         batch, n, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, n, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (B,H,n,hd)
+        q, k, v = (t.view(batch, n, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(self.sizes, dim=-1))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def share_kv(self, kv: Tensor) -> Tensor:
+        """(B, Hkv, L, hd) -> (B, H, L, hd): each key/value head serves n_heads / n_kv_heads query heads."""
+        return kv if self.n_kv_heads == self.n_heads else kv.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None, received: dict | None = None) -> Tensor:
@@ -65,6 +90,7 @@ class Attention(nn.Module):
             cache, rows, counts = prefill
             cache.write_prefix(rows, k, v, counts)
         dropout = self.dropout if self.training else 0.0
+        k, v = self.share_kv(k), self.share_kv(v)  # (B, H, n, hd); the cache above holds the Hkv heads only
         if received is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, n, hd)
         else:
@@ -74,15 +100,16 @@ class Attention(nn.Module):
             seen_by = n - torch.arange(n, device=x.device)  # (n,) queries that can see each token
             received["scores"] = (probs.detach().sum(dim=2).mean(dim=1) / seen_by)  # (B, n)
             out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
-        return self.proj(out.transpose(1, 2).reshape(batch, n, d_model))
+        return self.proj(out.transpose(1, 2).reshape(batch, n, -1))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
         """One new token per row (n, 1, D): append its K/V to the cache rows, attend to the row's cache."""
-        n, _, d_model = x.shape
+        n = x.shape[0]
         q, k, v = self._heads(x, cos, sin)
-        keys, values, mask = cache.append(rows, k, v)  # (n, H, L, hd), (n, 1, 1, L)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
-        return self.proj(out.transpose(1, 2).reshape(n, 1, d_model))
+        keys, values, mask = cache.append(rows, k, v)  # (n, Hkv, L, hd), (n, 1, 1, L)
+        keys, values = self.share_kv(keys.to(q.dtype)), self.share_kv(values.to(q.dtype))  # (n, H, L, hd)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(n, 1, -1))
 
 
 class SwiGLU(nn.Module):
@@ -101,9 +128,9 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.config = config
-        self.attn_norm = nn.RMSNorm(config.d_model)
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config)
-        self.mlp_norm = nn.RMSNorm(config.d_model)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
         self.delta_dropout = nn.Dropout(config.dropout)
         self.routed = config.is_routed(layer)
@@ -199,21 +226,21 @@ class Block(nn.Module):
         batch = x.shape[0]
         if not self.routed:
             rows = torch.arange(batch, device=x.device)
-            cos, sin = rope_tables(positions[:, None], self.config.head_dim, self.config.rope_base)
+            cos, sin = config_rope(self.config, positions[:, None])
             return x + self._decode_delta(x, cos, sin, cache, rows)
         router, part = self.router, self.config.route_part
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
         decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)
         if part == "mlp":  # every row attends and is cached; only the MLP is routed
             rows = torch.arange(batch, device=x.device)
-            cos, sin = rope_tables(positions[:, None], self.config.head_dim, self.config.rope_base)
+            cos, sin = config_rope(self.config, positions[:, None])
             x = x + self._decode_delta(x, cos, sin, cache, rows, "attention")
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
         if rows.numel():
             x_rows = x[rows]  # (n, 1, D)
-            cos, sin = rope_tables(positions[rows][:, None], self.config.head_dim, self.config.rope_base)
+            cos, sin = config_rope(self.config, positions[rows][:, None])
             weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
             delta = self._decode_delta(x_rows, cos, sin, cache, rows, part)  # (n, 1, D)
             x = x.index_put((rows,), residual_update(x_rows, delta, weight))
@@ -240,7 +267,7 @@ class MoDDecoder(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.d_model)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -313,7 +340,7 @@ class MoDDecoder(nn.Module):
             raise ValueError(f"padded rows (lengths) need causal routing: {routing} would rank the padding")
         batch, seq_len = tokens.shape
         positions = torch.arange(seq_len, device=tokens.device)
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_base)  # (T, hd/2)
+        cos, sin = config_rope(self.config, positions)  # (T, hd/2)
         x = self.embed(tokens)  # (B, T, D)
         records = []
         if cache is not None and cache_rows is None:
