@@ -17,6 +17,10 @@ ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
 ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+TRAINABLE = ("all", "routers", "routers+norms")
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
+                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings")
+"""ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -241,6 +245,11 @@ class TrainConfig:
     """Run folder: checkpoints, metrics.jsonl, TensorBoard events."""
     resume: bool = False
     """Continue from the newest complete checkpoint in --out."""
+    init_from: str | None = None
+    """Start from this run's (or checkpoint's) weights and tokenizer: converts a dense (e.g. imported) model to MoD
+    with the routing flags given; routers are new. The shape flags must match it."""
+    trainable: str = "all"
+    """Which parameters train: all, routers (routers and predictors only; the rest frozen) or routers+norms."""
     keep: int = 3
     """Keep the newest N checkpoints."""
     parallel: str = "ddp"
@@ -261,6 +270,7 @@ class TrainConfig:
         require(self.capacity_warmup >= 0, f"--capacity-warmup must be >= 0, got {self.capacity_warmup}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         require(self.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {self.parallel!r}")
+        require(self.trainable in TRAINABLE, f"--trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 

@@ -1,8 +1,10 @@
-"""Byte-level data: the built-in corpus (the Python standard library's sources), user text, and batches.
+"""Data: the built-in corpus (the Python standard library's sources), user text, and batches.
 
-Every corpus ends up as two uint8 arrays (train and validation) memory-mapped from disk: bytes are tokens, so
-there is no tokenizer and nothing to download. Folders are concatenated once into a cache file under
-$MODCLI_CACHE (default ~/.cache/modcli) and reused.
+Every corpus ends up as two token arrays (train and validation) memory-mapped from disk. With the default
+tokenizer bytes are tokens (uint8): nothing to download. Folders are concatenated once into a cache file under
+$MODCLI_CACHE (default ~/.cache/modcli) and reused. A run with a tokenizer.json (`modcli import`) tokenizes each
+byte split once into a cached uint16 (or uint32, for vocabularies over 65,536) file, keyed by the split and the
+tokenizer's contents.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import torch
 
 from modcli.config import DataConfig
 from modcli.errors import UserError
+from modcli.tokenizer import JsonTokenizer, Tokenizer
+
+TOKENIZE_CHUNK_BYTES = 1 << 20
+"""Text is tokenized in pieces of about this size, cut at line ends."""
 
 FILE_SEPARATOR = b"\n\n"
 
@@ -86,11 +92,53 @@ class Corpus:
     description: str
 
 
-def load_corpus(config: DataConfig, seq_len: int) -> Corpus:
-    """Read the corpus named by `config` and check both splits hold at least one window of seq_len + 1."""
-    if config.tokenizer != "bytes":
-        raise UserError(f"this run reads text with {config.tokenizer}; corpora are byte-level only so far, so train "
-                        "and eval cannot read text for it yet (generate and profile can)")
+def load_corpus(config: DataConfig, seq_len: int, tokenizer: Tokenizer | None = None) -> Corpus:
+    """Read the corpus named by `config` (tokenized with `tokenizer` when it is a tokenizer.json) and check both
+    splits hold at least one window of seq_len + 1 tokens."""
+    tokenized = isinstance(tokenizer, JsonTokenizer)
+    # A single file's validation tail is cut in bytes: with a tokenizer, leave room for about 4 bytes per token.
+    corpus = _byte_corpus(config, 4 * seq_len if tokenized else seq_len)
+    if tokenized:
+        if config.data is not None and Path(config.data).suffix == ".bin":
+            raise UserError("--data: a .bin holds byte tokens; a run with a tokenizer.json reads text files")
+        corpus = Corpus(_tokenized(corpus.train, tokenizer), _tokenized(corpus.val, tokenizer),
+                        f"{corpus.description}, tokenized with {Path(tokenizer.name).name}")
+    total = len(corpus.train) + len(corpus.val)
+    for name, split in (("training", corpus.train), ("validation", corpus.val)):
+        if len(split) < seq_len + 1:
+            raise UserError(
+                f"--data: corpus too short: the {name} split has {len(split)} tokens, needs at least "
+                f"seq_len + 1 = {seq_len + 1} (the whole corpus has {total})"
+            )
+    return corpus
+
+
+def _tokenized(text: np.ndarray, tokenizer: JsonTokenizer) -> np.ndarray:
+    """A byte split -> its tokens, cached (uint16, or uint32 for large vocabularies) under $MODCLI_CACHE."""
+    fingerprint = hashlib.sha256(Path(tokenizer.name).read_bytes())
+    fingerprint.update(str(len(text)).encode())
+    fingerprint.update(hashlib.sha256(np.ascontiguousarray(text).tobytes()).digest())
+    vocab = tokenizer.tokenizer.get_vocab_size()
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    path = cache_dir() / f"tokens-{fingerprint.hexdigest()[:20]}.{np.dtype(dtype).name}.bin"
+    if not path.exists():
+        raw = np.asarray(text).tobytes()
+        pieces, start = [], 0
+        while start < len(raw):  # cut at line ends so that no token straddles two pieces
+            end = raw.find(b"\n", start + TOKENIZE_CHUNK_BYTES)
+            end = len(raw) if end < 0 else end + 1
+            pieces.append(raw[start:end].decode("utf-8", errors="replace"))
+            start = end
+        encoded = tokenizer.tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
+        ids = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encoded]) if encoded else np.zeros(0, dtype)
+        _write_atomically(path, [ids.tobytes()])
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
+    """The byte-level splits of the corpus; `seq_len` only sizes the tail split of a single file."""
     if config.data is None:
         root, files = stdlib_files()
         tag = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
@@ -112,21 +160,14 @@ def load_corpus(config: DataConfig, seq_len: int) -> Corpus:
         else:
             train, val = _tail_split(_memmap(path), config.val_fraction, seq_len)
             description = str(path)
-    total = len(train) + len(val)
-    if total == 0:
+    if len(train) + len(val) == 0:
         raise UserError(f"--data: the corpus is empty ({config.data})")
-    for name, split in (("training", train), ("validation", val)):
-        if len(split) < seq_len + 1:
-            raise UserError(
-                f"--data: corpus too short: the {name} split has {len(split)} tokens, needs at least "
-                f"seq_len + 1 = {seq_len + 1} (the whole corpus has {total})"
-            )
     return Corpus(train, val, description)
 
 
 def _tail_split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """A single file: the last val_fraction (at least one window) is validation."""
-    n_val = max(seq_len + 1, int(len(tokens) * val_fraction))
+    n_val = max(seq_len + 1, int(len(tokens) * val_fraction), 1)
     if len(tokens) < 2 * (seq_len + 1):
         raise UserError(
             f"--data: corpus too short: {len(tokens)} tokens, needs at least 2 x (seq_len + 1) = {2 * (seq_len + 1)} "

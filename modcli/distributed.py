@@ -116,6 +116,12 @@ def gradient_sync(wrapped: nn.Module, enabled: bool) -> None:
         wrapped.set_requires_gradient_sync(enabled)
 
 
+def barrier(context: DistributedContext) -> None:
+    """Wait for every rank (e.g. until rank 0 has written a file the others read)."""
+    if context.enabled:
+        dist.barrier()
+
+
 def mean_across_ranks(value: torch.Tensor, context: DistributedContext) -> torch.Tensor:
     if context.enabled:
         value = value.clone()

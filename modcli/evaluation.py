@@ -18,6 +18,7 @@ from modcli.config import DataConfig, require
 from modcli.data import evaluation_batches, load_corpus
 from modcli.losses import bits_per_byte, lm_loss, routing_agreement
 from modcli.runtime import autocast, resolve_device
+from modcli.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -76,8 +77,9 @@ def evaluate(config: EvalConfig) -> EvalResult:
     device = resolve_device(config.device)
     model, run_config, checkpoint = load_model_from(config.checkpoint, device)
     seq_len = run_config.model.seq_len
-    data = run_config.data if config.data is None else DataConfig(data=config.data, glob=config.glob)
-    corpus = load_corpus(data, seq_len)
+    data = run_config.data if config.data is None else DataConfig(data=config.data, glob=config.glob,
+                                                                  tokenizer=run_config.data.tokenizer)
+    corpus = load_corpus(data, seq_len, load_tokenizer(data.tokenizer, checkpoint.parent))
     for mode in config.routing:
         model.check_routing(mode)
     if run_config.model.dense:

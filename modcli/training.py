@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import math
+import shutil
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -24,13 +25,15 @@ from torch.distributed.checkpoint.state_dict import (
 from modcli import distributed
 from modcli.checkpoint import (
     complete_checkpoints,
+    load_model_from,
     load_weights,
     read_config,
     read_optimizer_state,
     read_state,
+    resolve_checkpoint,
     save_checkpoint,
 )
-from modcli.config import ModelConfig, RunConfig, TrainConfig
+from modcli.config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainConfig
 from modcli.data import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.distributed import DistributedContext
 from modcli.errors import TrainingDiverged, UserError
@@ -39,6 +42,7 @@ from modcli.losses import bits_per_byte, lm_loss, routing_agreement, routing_los
 from modcli.model import MoDDecoder
 from modcli.reporting import MetricsLog, StepProgress, stderr_console
 from modcli.runtime import autocast, seed_everything
+from modcli.tokenizer import load_tokenizer
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -68,6 +72,9 @@ class TrainResult:
     """MoD: the validation loss under each routing mode of the router, causal modes first."""
     val_causal: dict[str, bool]
     """MoD: whether each mode of `val_losses` is causal; a non-causal loss sees the future, a reference only."""
+    init_val_loss: float | None
+    """With --init-from: the original model's validation loss (its causal mode) on the same windows, before
+    training: what a converted model is compared with."""
     tokens: int
     flops: float
     wall_time_s: float
@@ -89,11 +96,13 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on the blocks' matrices only (not norms, biases or the embedding). Router parameters
-    (the routers and their predictors) learn at --router-lr-scale x the learning rate (`lr_scale` of their groups).
-    """
+    """AdamW over the trainable parameters; weight decay on the blocks' matrices only (not norms, biases or the
+    embedding). Router parameters (the routers and their predictors) learn at --router-lr-scale x the learning rate
+    (`lr_scale` of their groups)."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         decays = param.ndim == 2 and "embed" not in name
         separate = config.router_lr_scale != 1.0 and ".router." in name  # default: the same two groups as ever
         groups.setdefault((decays, separate), []).append(param)
@@ -248,6 +257,7 @@ class _Prepared:
     elapsed_before: float = 0.0
     last_checkpoint: Path | None = None
     note: str | None = None
+    init_val_loss: float | None = None
 
 
 def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
@@ -264,20 +274,32 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     if tc.compile and context.enabled and tc.parallel == "fsdp":
         raise UserError("--compile with --parallel fsdp is not supported yet; use --parallel ddp")
 
-    corpus = load_corpus(config.data, mc.seq_len)
+    init = resolve_checkpoint(tc.init_from) if tc.init_from and not tc.resume else None
+    if init is not None:
+        _check_init_from(read_config(init), config, init)
+    tokenizer = _run_tokenizer(config, init, context)
+    corpus = load_corpus(config.data, mc.seq_len, tokenizer)
     seed_everything(tc.seed)  # identical initial weights on every rank
     model = MoDDecoder(mc)
     resume_state = None
+    init_val_loss = None
     if tc.resume:
         _check_resumable(read_config(existing[-1]), config, existing[-1])
         load_weights(model, existing[-1])
         resume_state = read_state(existing[-1])
+        init_val_loss = resume_state.get("init_val_loss")
+    elif init is not None:
+        original, _, _ = load_model_from(init, context.device)
+        init_val_loss = validation_losses(original, corpus, config, context, validation_modes(original)[:1])["val_loss"]
+        del original
+        _load_for_conversion(model, init)
+    freeze_for(model, tc.trainable)
     model = model.to(context.device)
     wrapped = distributed.wrap_model(model, context, tc.parallel)
     optimizer = make_optimizer(model, tc)
     sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
     scaler = torch.amp.GradScaler(context.device.type, enabled=tc.dtype == "float16")
-    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler)
+    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss)
     torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
     if resume_state is not None:
         set_optimizer_state_dict(model, optimizer, read_optimizer_state(existing[-1]),
@@ -288,6 +310,53 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
         sampler.load_state(resume_state["sampler"])
         prepared.note = restore_resume_state(resume_state, scaler, context, mc.dropout)
     return prepared
+
+
+def _check_init_from(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
+    for name in SHAPE_FIELDS:
+        mine, theirs = getattr(config.model, name), getattr(saved.model, name)
+        if mine != theirs:
+            raise UserError(f"--init-from: --{name.replace('_', '-')} is {mine!r} but {checkpoint} has {theirs!r}")
+    if config.data.tokenizer != saved.data.tokenizer and saved.data.tokenizer != "bytes" and \
+            config.data.tokenizer == "bytes":
+        raise UserError(f"--init-from: {checkpoint} reads text with {saved.data.tokenizer}, this run with bytes")
+
+
+def _run_tokenizer(config: RunConfig, init: Path | None, context: DistributedContext):
+    """The run's tokenizer; a run started --init-from a run with a tokenizer.json gets a copy in its folder."""
+    run_dir = Path(config.train.out)
+    if init is not None and config.data.tokenizer != "bytes" and context.is_main:
+        source = init.parent / config.data.tokenizer
+        if source.is_file() and not (run_dir / config.data.tokenizer).is_file():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, run_dir / config.data.tokenizer)
+    distributed.barrier(context)
+    tokenizer = load_tokenizer(config.data.tokenizer, run_dir)
+    vocab = getattr(getattr(tokenizer, "tokenizer", None), "get_vocab_size", lambda: 256)()
+    if vocab > config.model.vocab_size:
+        raise UserError(f"the tokenizer has {vocab} tokens but the model's vocabulary is {config.model.vocab_size}")
+    return tokenizer
+
+
+def _load_for_conversion(model: MoDDecoder, checkpoint: Path) -> None:
+    """The weights of `checkpoint` into `model`, whose routers (if any) are new and keep their initialisation."""
+    from safetensors.torch import load_file
+
+    state = {name: tensor for name, tensor in load_file(str(checkpoint / "model.safetensors")).items()
+             if ".router." not in name}  # a router of another kind (or none) in the original: start afresh
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if ".router." not in name and name != "head.weight"]
+    if missing or unexpected:
+        raise UserError(f"--init-from: {checkpoint} does not fit (missing {missing}, unexpected {unexpected})")
+
+
+def freeze_for(model: torch.nn.Module, trainable: str) -> None:
+    """--trainable: all; routers (their parameters and predictors only); routers+norms (and the RMSNorm weights)."""
+    for name, param in model.named_parameters():
+        if trainable == "routers":
+            param.requires_grad_(".router." in name)
+        elif trainable == "routers+norms":
+            param.requires_grad_(".router." in name or name.endswith("norm.weight"))
 
 
 def train(config: RunConfig, quiet: bool = False) -> TrainResult:
@@ -347,7 +416,7 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             to_save.load_state_dict(model_state)
         state = {"step": run.step, "tokens": run.tokens, "flops": run.flops, "world_size": context.world_size,
                  "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
-                 "sampler": run.sampler.state(), **resume_state}
+                 "sampler": run.sampler.state(), "init_val_loss": run.init_val_loss, **resume_state}
         return save_checkpoint(run_dir, run.step, to_save, optimizer_state, config, state, tc.keep)
 
     run.wrapped.train()
@@ -421,7 +490,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         run_dir=str(run_dir), checkpoint=str(run.last_checkpoint), steps=run.step, train_loss=train_loss,
         val_loss=validation["val_loss"], val_bits_per_byte=validation["val_bits_per_byte"], val_routing=modes[0],
         val_losses={mode: validation[f"val_loss_{mode}"] for mode in modes if f"val_loss_{mode}" in validation},
-        val_causal={mode: caps.is_causal(mode) for mode in modes} if caps else {}, tokens=run.tokens, flops=run.flops,
+        val_causal={mode: caps.is_causal(mode) for mode in modes} if caps else {}, init_val_loss=run.init_val_loss,
+        tokens=run.tokens, flops=run.flops,
         wall_time_s=run.elapsed_before + time.perf_counter() - session_start,
         tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense, router=mc.router,
         parameters=run.model.num_parameters(), world_size=context.world_size,

@@ -102,8 +102,13 @@ def test_the_imported_run_works_with_generate_and_profile(hf_model, tmp_path):
                                  "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--no-memory",
                                  "--measure", "forward,decode", "--decode-tokens", "2", "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["eval", str(tmp_path / "run"), "--device", "cpu"])
-    assert result.exit_code == 2 and "corpora are byte-level only so far" in result.stderr
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_corpus_text(1500))
+    result = runner.invoke(app, ["eval", str(tmp_path / "run"), "--data", str(corpus), "--batches", "2",
+                                 "--batch-size", "2", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert "tokenized with tokenizer.json" in report["corpus"] and report["results"][0]["routing"] == "dense"
 
 
 def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_path):
@@ -153,3 +158,47 @@ def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_
     assert import_run(folder, tmp_path / "twice").exit_code == 0
     result = import_run(folder, tmp_path / "twice")
     assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
+
+
+def test_router_tuning_converts_a_frozen_imported_model(hf_model, tmp_path):
+    """`--init-from` an imported dense model with a threshold router, training only the routers: the base weights do
+    not move, every command works on the result, and the summary shows the original's loss beside."""
+    from modcli.checkpoint import resolve_checkpoint
+
+    name, folder, _ = hf_model
+    if name != "qwen2":
+        pytest.skip("one architecture is enough for the conversion")
+    assert import_run(folder, tmp_path / "dense").exit_code == 0
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_corpus_text(1500))
+    runner = CliRunner()
+    common = ["train", "--init-from", str(tmp_path / "dense"), "--data", str(corpus), "--seq-len", "64",
+              "--batch-size", "2", "--max-steps", "6", "--eval-every", "3", "--eval-batches", "1", "--warmup", "1",
+              "--device", "cpu"]
+    result = runner.invoke(app, [*common, "--router", "threshold", "--capacity", "0.5", "--trainable", "routers",
+                                 "--out", str(tmp_path / "mod"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["router"] == "threshold" and summary["init_val_loss"] > 0
+    before = load_file(resolve_checkpoint(tmp_path / "dense") / "model.safetensors")
+    after = load_file(resolve_checkpoint(tmp_path / "mod") / "model.safetensors")
+    routers = [key for key in after if ".router." in key]
+    assert routers and all(key not in before for key in routers)
+    for key, tensor in before.items():  # frozen: bit for bit the imported weights
+        assert torch.equal(after[key], tensor), key
+    assert (tmp_path / "mod" / "tokenizer.json").is_file()
+
+    for args in (["eval", str(tmp_path / "mod"), "--data", str(corpus), "--batches", "1", "--batch-size", "2"],
+                 ["generate", str(tmp_path / "mod"), "--prompt", "def f", "--max-new-tokens", "4"],
+                 ["profile", str(tmp_path / "mod"), "--compare", str(tmp_path / "dense"), "--seq-len", "16",
+                  "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--no-memory", "--decode-tokens", "2"]):
+        result = runner.invoke(app, [*args, "--device", "cpu"])
+        assert result.exit_code == 0, (args[0], result.output)
+
+    result = runner.invoke(app, [*common, "--d-model", "32", "--out", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "--init-from: --d-model is 32 but" in result.stderr
+    assert not (tmp_path / "bad").exists()
+    result = runner.invoke(app, [*common, "--trainable", "everything", "--out", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "--trainable must be one of all, routers, routers+norms" in result.stderr
+    result = runner.invoke(app, ["export", str(tmp_path / "mod"), "--out", str(tmp_path / "bundle")])
+    assert result.exit_code == 2 and "cannot be exported yet" in result.stderr

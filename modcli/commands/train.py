@@ -71,6 +71,11 @@ def train(
     compile: Annotated[Optional[bool], typer.Option("--compile", help="torch.compile the model.")] = None,
     out: Annotated[Optional[str], typer.Option(help="Run folder.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --out.")] = False,
+    init_from: Annotated[Optional[str], typer.Option(
+        help="Start from this run's weights and tokenizer (e.g. `modcli import`'s) and convert it with the routing "
+             "flags.")] = None,
+    trainable: Annotated[Optional[str], typer.Option(
+        help="Which parameters train: all, routers or routers+norms (the rest frozen).")] = None,
     keep: Annotated[Optional[int], typer.Option(help="Keep the newest N checkpoints.")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="Under torchrun: ddp or fsdp (FSDP2).")] = None,
     json_output: Json = False,
@@ -92,6 +97,13 @@ def train(
         saved = read_config(found[-1]).to_dict()
         flags = {**saved["model"], **saved["data"], **saved["train"], **flags}
         base = None
+    elif init_from:
+        # Convert another run: its shape and tokenizer, this run's routing and training flags.
+        from modcli.checkpoint import read_config, resolve_checkpoint
+        from modcli.config import SHAPE_FIELDS
+        saved = read_config(resolve_checkpoint(init_from))
+        shape = {name: getattr(saved.model, name) for name in SHAPE_FIELDS}
+        flags = {**shape, "seq_len": saved.model.seq_len, "tokenizer": saved.data.tokenizer, **flags}
     run_config = resolve_run_config(base, str(config) if config else None, {**flags, "resume": resume})
     result = run_training(run_config, quiet=False)
     if not is_main_process():
@@ -112,6 +124,8 @@ def train(
                 continue
             label = "causal" if result.val_causal[mode] else "non-causal reference"
             validation.append((f"validation loss ({mode}, {label})", f"{loss:.4f}"))
+    if result.init_val_loss is not None:
+        validation.append(("validation loss of the --init-from model", f"{result.init_val_loss:.4f}"))
     title = "training summary" + (" (dense)" if result.dense else f" (MoD, {result.router} router)")
     stdout.print(key_value_table(title, [
         ("steps", str(result.steps)),
