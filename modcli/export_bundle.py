@@ -206,9 +206,6 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
     _check_out(out, config.force)
     _require_runtime()
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
-    if run_config.data.tokenizer != "bytes":
-        raise UserError(f"{checkpoint}: runs with a tokenizer.json cannot be exported yet (bundles and modcli-run read "
-                        "bytes)")
     config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
     model.check_routing(config.routing, causal=True)
     if model.capabilities is not None:
@@ -235,6 +232,8 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
+        if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
+            shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
         result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()), providers,
                                aoti_ok, aoti_reason, text, log)
         _fsync_tree(tmp)
@@ -258,6 +257,7 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
     from modcli_runtime.bundle import FORMAT, FORMAT_VERSION
 
     model_config = model.config
+    tokenizer = run_config["data"]["tokenizer"]
     (tmp / "config.json").write_text(json.dumps(run_config, indent=2))
     makers = {"forward": lambda: forward_spec(model), "decode": lambda: decode_spec(model, config.routing)}
     specs = [makers[name]() for name in config.graphs]
@@ -307,7 +307,9 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
         "checkpoint": checkpoint, "dtype": config.dtype, "opset": config.opset if config.onnx else None,
         "versions": _versions(),
         "model": {"vocab_size": model_config.vocab_size, "seq_len": model_config.seq_len,
-                  "tokens": "bytes (UTF-8)", "dense": model_config.dense, "routed_layers": model_config.routed_layers()},
+                  "tokens": "bytes (UTF-8)" if tokenizer == "bytes" else "tokenizer.json",
+                  "tokenizer": None if tokenizer == "bytes" else "tokenizer.json",
+                  "dense": model_config.dense, "routed_layers": model_config.routed_layers()},
         "graphs": graphs,
         "compile": {"asked": config.compile, "aoti": aoti_ok, "aoti_skipped_because": aoti_reason or None,
                     "target": "cpu",

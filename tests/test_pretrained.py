@@ -200,5 +200,17 @@ def test_router_tuning_converts_a_frozen_imported_model(hf_model, tmp_path):
     assert not (tmp_path / "bad").exists()
     result = runner.invoke(app, [*common, "--trainable", "everything", "--out", str(tmp_path / "bad")])
     assert result.exit_code == 2 and "--trainable must be one of all, routers, routers+norms" in result.stderr
-    result = runner.invoke(app, ["export", str(tmp_path / "mod"), "--out", str(tmp_path / "bundle")])
-    assert result.exit_code == 2 and "cannot be exported yet" in result.stderr
+    # Export: the bundle carries the tokenizer and the PyTorch-free runtime generates what modcli generate does.
+    from modcli_runtime import load_bundle
+
+    from modcli.export_bundle import ExportConfig, export
+    from modcli.generation import GenerateConfig, generate
+
+    bundle = tmp_path / "bundle"
+    exported = export(ExportConfig(checkpoint=str(tmp_path / "mod"), out=str(bundle), provider="cpu", decode_steps=4))
+    assert exported.valid, exported.failures
+    assert (bundle / "tokenizer.json").is_file()
+    want = generate(GenerateConfig(checkpoint=str(tmp_path / "mod"), prompts=["def f_1(x):"], max_new_tokens=8,
+                                   temperature=0, device="cpu"))
+    got = load_bundle(bundle).generate(["def f_1(x):"], max_new_tokens=8, temperature=0)
+    assert got.tokens == want.tokens and got.texts == want.texts

@@ -154,6 +154,10 @@ class Bundle:
             self.verify()
         self.model = self.manifest["model"]
         self.vocab_size = int(self.model["vocab_size"])
+        from modcli_runtime.generate import ByteText, JsonText
+
+        tokenizer = self.model.get("tokenizer")
+        self.text = JsonText(self.path / tokenizer) if tokenizer else ByteText()
         self.providers = session_providers(provider)
         self._strict = ORT_PROVIDERS[provider] if provider in ORT_PROVIDERS else None
         self._sessions: dict[str, Any] = {}
@@ -206,7 +210,8 @@ class Bundle:
         from modcli_runtime.generate import generate_tokens
 
         self.session("decode")  # a clear error when the bundle has no ONNX decode graph
-        return generate_tokens(self.decode_step, self.cache_spec, prompts, vocab_size=self.vocab_size, **options)
+        return generate_tokens(self.decode_step, self.cache_spec, prompts, vocab_size=self.vocab_size, text=self.text,
+                               **options)
 
 
 def load_bundle(path: str | Path, provider: str = "cpu", verify: bool = True, allow_invalid: bool = False,

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         stream = None
         if not args.json and len(prompts) == 1:
             sys.stdout.write(prompts[0])
-            stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-        longest = max(len(p.encode("utf-8")) for p in prompts) + args.max_new_tokens
+            stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), bundle.text)
+        longest = max(len(bundle.text.encode(p)) for p in prompts) + args.max_new_tokens
         if longest > int(bundle.model["seq_len"]) and not args.json:
             print(f"note: {longest} tokens exceed the training context of {bundle.model['seq_len']}; positions "
                   "beyond it were never trained", file=sys.stderr)

@@ -91,8 +91,36 @@ class Generation:
         return {f"block{layer}": sum(rows) / total for layer, rows in self.processed_tokens.items()}
 
 
-def encode_prompt(prompt: str | bytes | list[int], vocab_size: int) -> list[int]:
-    tokens = list(prompt.encode("utf-8")) if isinstance(prompt, str) else list(prompt)
+class ByteText:
+    """Bytes are tokens (vocabulary 256): the default of modcli runs."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+
+class JsonText:
+    """A bundle's tokenizer.json (runs imported with `modcli import`), through the `tokenizers` library."""
+
+    def __init__(self, path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise BundleError("this bundle has a tokenizer.json, which needs the `tokenizers` package") from None
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode_prompt(prompt: str | bytes | list[int], vocab_size: int, text: ByteText | JsonText | None = None
+                  ) -> list[int]:
+    tokens = (text or ByteText()).encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise BundleError("--prompt must not be empty")
     if min(tokens) < 0 or max(tokens) >= vocab_size:
@@ -103,18 +131,20 @@ def encode_prompt(prompt: str | bytes | list[int], vocab_size: int) -> list[int]
 def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str | bytes | list[int]], *,
                     vocab_size: int, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 1337, on_token: Callable[[int, int], None] | None = None,
-                    return_logits: bool = False) -> Generation:
+                    return_logits: bool = False, text: ByteText | JsonText | None = None) -> Generation:
     """Run the decode graph `step` over a batch of prompts and sample `max_new_tokens` new tokens per prompt.
 
-    `on_token(row, token)` is called as soon as a token is sampled (streaming).
+    `on_token(row, token)` is called as soon as a token is sampled (streaming). `text` encodes string prompts and
+    decodes the outputs (default: bytes).
     """
+    text = text or ByteText()
     if not prompts:
         raise BundleError("--prompt: give at least one prompt")
     if max_new_tokens < 1:
         raise BundleError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise BundleError("--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]")
-    encoded = [encode_prompt(p, vocab_size) for p in prompts]
+    encoded = [encode_prompt(p, vocab_size, text) for p in prompts]
     batch = len(encoded)
     lengths = np.array([len(p) for p in encoded])
     steps = int(lengths.max()) + max_new_tokens - 1  # the last sampled token is never fed
@@ -161,7 +191,7 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
     total_s = time.perf_counter() - start
     return Generation(
         tokens=new_tokens,
-        texts=[bytes(t for t in row if t < 256).decode("utf-8", errors="replace") for row in new_tokens],
+        texts=[text.decode(row) for row in new_tokens],
         steps=steps, first_token_s=first_token_s or total_s, total_s=total_s,
         tokens_per_s=batch * max_new_tokens / max(total_s, 1e-9),
         processed_tokens={layer: counts.tolist() for layer, counts in processed.items()},
@@ -170,13 +200,20 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
 
 
 class Utf8Stream:
-    """Writes the bytes of one sequence as text as soon as they form whole UTF-8 characters."""
+    """Writes one sequence's text as tokens arrive: bytes as soon as they form whole UTF-8 characters; with a
+    tokenizer.json, the new end of what the whole output decodes to."""
 
-    def __init__(self, write: Callable[[str], None]) -> None:
+    def __init__(self, write: Callable[[str], None], text: ByteText | JsonText | None = None) -> None:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.write = write
+        self.write, self.text, self.ids, self.shown = write, text, [], ""
 
     def __call__(self, row: int, token: int) -> None:
-        text = self.decoder.decode(bytes([token]) if token < 256 else b"")
-        if text:
-            self.write(text)
+        if isinstance(self.text, JsonText):
+            self.ids.append(token)
+            decoded = self.text.decode(self.ids)
+            piece = decoded[len(self.shown):] if decoded.startswith(self.shown) else ""
+            self.shown = decoded if piece else self.shown
+        else:
+            piece = self.decoder.decode(bytes([token]) if token < 256 else b"")
+        if piece:
+            self.write(piece)
