@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from modcli.commands import evaluate, generate, import_command, profile, train
+from modcli.commands import evaluate, generate, import_command, profile, tokenizer, train
 from modcli.commands import export as export_command
 
 app = typer.Typer(
@@ -17,6 +17,7 @@ app.command("generate")(generate.generate)
 app.command("export")(export_command.export)
 app.command("profile")(profile.profile)
 app.command("import")(import_command.import_command)
+app.add_typer(tokenizer.app, name="tokenizer")
 
 
 def main() -> None:

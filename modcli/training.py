@@ -323,13 +323,18 @@ def _check_init_from(saved: RunConfig, config: RunConfig, checkpoint: Path) -> N
 
 
 def _run_tokenizer(config: RunConfig, init: Path | None, context: DistributedContext):
-    """The run's tokenizer; a run started --init-from a run with a tokenizer.json gets a copy in its folder."""
-    run_dir = Path(config.train.out)
-    if init is not None and config.data.tokenizer != "bytes" and context.is_main:
-        source = init.parent / config.data.tokenizer
-        if source.is_file() and not (run_dir / config.data.tokenizer).is_file():
+    """The run's tokenizer. A run keeps its tokenizer.json in its folder: one started --init-from a run with one, or
+    given --tokenizer FILE, gets a copy there (and its config says "tokenizer.json")."""
+    run_dir, spec = Path(config.train.out), config.data.tokenizer
+    in_run = not Path(spec).is_absolute() and (run_dir / spec).is_file()  # a resumed run's own copy
+    if spec != "bytes" and not in_run:
+        source = init.parent / spec if init is not None else Path(spec)
+        if not source.is_file():
+            raise UserError(f"--tokenizer: no such file: {source}")
+        if context.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, run_dir / config.data.tokenizer)
+            shutil.copyfile(source, run_dir / "tokenizer.json")
+        config.data.tokenizer = "tokenizer.json"
     distributed.barrier(context)
     tokenizer = load_tokenizer(config.data.tokenizer, run_dir)
     vocab = getattr(getattr(tokenizer, "tokenizer", None), "get_vocab_size", lambda: 256)()

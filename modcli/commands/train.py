@@ -33,6 +33,10 @@ def train(
     config: Annotated[Optional[Path], typer.Option(
         "--config", help="TOML file with the same keys as the flags; flags win.")] = None,
     data: Annotated[Optional[str], typer.Option(help="Text file, folder or .bin; default: the Python stdlib.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        help="bytes (default) or a tokenizer.json (e.g. from `modcli tokenizer train`); set --vocab-size to match.")
+    ] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size (256 for bytes).")] = None,
     glob: Annotated[Optional[str], typer.Option(help="File pattern when --data is a folder.")] = None,
     capacity: Capacity = None,
     route_every: RouteEvery = None,
