@@ -10,6 +10,7 @@ calibration of a fresh model, and every command for its `capabilities` instead o
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, ClassVar
@@ -79,7 +80,7 @@ class RoutingRecord:
     """The capacity in force for this pass (lower than the target during --capacity-warmup)."""
 
 
-class Router(nn.Module):
+class Router(nn.Module, metaclass=abc.ABCMeta):
     """One routed block's router. Subclasses set `kind` and `capabilities` and implement the methods below."""
 
     kind: ClassVar[str]
@@ -99,10 +100,10 @@ class Router(nn.Module):
         caps = self.capabilities
         return tuple(m for m in caps.modes if m not in caps.needs_predictor or self.predictor is not None)
 
+    @abc.abstractmethod
     def logits(self, x: Tensor, positions: Tensor, previous_attention: Tensor | None = None) -> Tensor:
         """Per-token scores (B, T) of x (B, T, D) at positions (B, T) or (T,); `previous_attention` (B, T) is what
         each token received in the block before, for routers that read it."""
-        raise NotImplementedError
 
     def weight(self, logits: Tensor) -> Tensor:
         """The factor w of the block's update for tokens with these scores (same shape)."""
