@@ -62,6 +62,8 @@ class ModelConfig:
     """Every how many blocks one is routed (2 = every other block, the paper's choice; 0 = dense)."""
     route_offset: int = 1
     """Index of the first routed block (block i is routed when i % route_every == route_offset)."""
+    route_layers: list[int] | None = None
+    """Route exactly these blocks (e.g. [1, 3, 5]) instead of every route_every-th one."""
     router: str = "topk"
     """Router kind of the routed blocks (modcli.routing.registry): topk, random, threshold or attention."""
     router_weight: str = "sigmoid"
@@ -103,6 +105,11 @@ class ModelConfig:
         require(0.0 < self.capacity <= 1.0, f"--capacity must be in (0, 1], got {self.capacity}")
         require(self.route_every >= 0, f"--route-every must be >= 0, got {self.route_every}")
         require(self.route_offset >= 0, f"--route-offset must be >= 0, got {self.route_offset}")
+        if self.route_layers is not None:
+            require(all(0 <= layer < self.n_layers for layer in self.route_layers)
+                    and len(set(self.route_layers)) == len(self.route_layers),
+                    f"--route-layers must name distinct blocks in 0..{self.n_layers - 1}, got {self.route_layers}")
+            self.route_layers = sorted(self.route_layers)
         require(
             self.router_weight in ROUTER_WEIGHTS,
             f"--router-weight must be one of {', '.join(ROUTER_WEIGHTS)}, got {self.router_weight!r}",
@@ -125,9 +132,9 @@ class ModelConfig:
         if self.router == "attention" and self.route_every:
             require(self.predictor_hidden > 0, "--router attention decodes with a predictor: --predictor-hidden must "
                                                "be > 0")
-            require(self.route_every >= 2 and self.route_offset % self.route_every >= 1,
+            require(all(layer >= 1 and not self.is_routed(layer - 1) for layer in self.routed_layers()),
                     "--router attention reads the attention maps of the block before each routed block, which must be "
-                    "dense: use --route-every >= 2 and a --route-offset that is not a multiple of it")
+                    "dense: route no block 0 and no two blocks in a row (e.g. --route-every 2 --route-offset 1)")
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
 
@@ -150,6 +157,8 @@ class ModelConfig:
         return not self.routed_layers()
 
     def is_routed(self, layer: int) -> bool:
+        if self.route_layers is not None:
+            return layer in self.route_layers
         return self.route_every > 0 and layer % self.route_every == self.route_offset % self.route_every
 
     def routed_layers(self) -> list[int]:
@@ -178,7 +187,7 @@ class ModelConfig:
 
     def dense_twin(self) -> ModelConfig:
         """The same shape with routing switched off."""
-        return dataclasses.replace(self, route_every=0)
+        return dataclasses.replace(self, route_every=0, route_layers=None)
 
 
 @dataclass
@@ -353,7 +362,13 @@ def resolve_run_config(
         merged.update(load_toml(config_file))
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
     if merged.pop("dense", False):
-        merged["route_every"] = 0
+        merged["route_every"], merged["route_layers"] = 0, None
+    if isinstance(merged.get("route_layers"), str):  # the flag: "1,3,5"
+        try:
+            merged["route_layers"] = [int(part) for part in merged["route_layers"].split(",") if part.strip()]
+        except ValueError:
+            raise UserError(f"--route-layers must be comma-separated block indices, got {merged['route_layers']!r}"
+                            ) from None
     merged.pop("preset", None)
     sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}}
     for key, value in merged.items():

@@ -298,3 +298,23 @@ def test_route_part_exports_to_onnx_equal_to_eager(part, tmp_path, corpus_file):
     result = export(ExportConfig(checkpoint=str(tmp_path / "run"), out=str(tmp_path / "bundle"), provider="cpu",
                                  decode_steps=4))
     assert result.valid, result.failures
+
+
+def test_route_layers_routes_exactly_the_named_blocks(tmp_path, corpus_file):
+    runner = CliRunner()
+    common = ["train", "--data", str(corpus_file), "--d-model", "32", "--n-layers", "4", "--n-heads", "4",
+              "--seq-len", "32", "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1",
+              "--device", "cpu", "--json"]
+    result = runner.invoke(app, [*common, "--route-layers", "0,2,3", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    config = json.loads(next((tmp_path / "run").glob("step-*/config.json")).read_text())["model"]
+    assert config["route_layers"] == [0, 2, 3]
+    model = MoDDecoder(router_config("topk", route_layers=[3, 0, 2]))
+    assert [block.routed for block in model.blocks] == [True, False, True, True]
+    for layers, message in (("1,9", "--route-layers must name distinct blocks in 0..3"),
+                            ("1,x", "--route-layers must be comma-separated block indices")):
+        result = runner.invoke(app, [*common, "--route-layers", layers, "--out", str(tmp_path / "bad")])
+        assert result.exit_code == 2 and message in result.stderr, result.output
+    result = runner.invoke(app, [*common, "--router", "attention", "--route-layers", "1,2", "--out",
+                                 str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "--router attention reads the attention maps" in result.stderr

@@ -29,6 +29,8 @@ Threshold = Annotated[Optional[float], typer.Option(
     help="threshold router: process a token when sigmoid(logit) > this (default 0.5).")]
 CapacityMax = Annotated[Optional[float], typer.Option(
     help="threshold router: most tokens kept in static shapes (default 2 x capacity).")]
+RouteLayers = Annotated[Optional[str], typer.Option(
+    help="Route exactly these blocks, comma-separated (e.g. 1,3,5), instead of --route-every.")]
 RoutePart = Annotated[Optional[str], typer.Option(
     help="What routing skips: block (attention and MLP), attention or mlp.")]
 PredictorHidden = Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")]

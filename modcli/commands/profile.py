@@ -16,6 +16,7 @@ from modcli.commands.common import (
     Json,
     PredictorHidden,
     RouteEvery,
+    RouteLayers,
     RouteOffset,
     RoutePart,
     Router,
@@ -44,6 +45,7 @@ def profile(
     capacity: Capacity = None,
     route_every: RouteEvery = None,
     route_offset: RouteOffset = None,
+    route_layers: RouteLayers = None,
     router: Router = None,
     router_weight: RouterWeight = None,
     router_hidden: RouterHidden = None,
@@ -77,7 +79,7 @@ def profile(
 
     model_flags = {k: v for k, v in dict(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden, vocab_size=vocab_size,
-        capacity=capacity, route_every=route_every, route_offset=route_offset, router=router,
+        capacity=capacity, route_every=route_every, route_offset=route_offset, route_layers=route_layers, router=router,
         router_weight=router_weight, router_hidden=router_hidden, threshold=threshold, capacity_max=capacity_max,
         route_part=route_part, predictor_hidden=predictor_hidden).items() if v is not None}
     model = None
