@@ -167,15 +167,15 @@ class Block(nn.Module):
         row's length and decode appends overwrite them.
         """
         batch, seq_len, _ = x.shape
+        every_token = None  # a prefill that caches every (real) token
+        if cache is not None:
+            counts = lengths if lengths is not None else torch.full((batch,), seq_len, device=x.device,
+                                                                     dtype=torch.long)  # (B,)
+            every_token = (cache, cache_rows, counts)
         if not self.routed:
-            prefill = None
-            if cache is not None:
-                counts = lengths if lengths is not None else torch.full(
-                    (batch,), seq_len, device=x.device, dtype=torch.long)  # (B,)
-                prefill = (cache, cache_rows, counts)
             received = {} if self.feeds_router and not router_class(self.config.router).capabilities.is_causal(
                 routing) else None
-            x = x + self.delta(x, cos[None], sin[None], prefill, received)
+            x = x + self.delta(x, cos[None], sin[None], every_token, received)
             return x, (received["scores"] if received else None)
 
         router = self.router
@@ -194,14 +194,11 @@ class Block(nn.Module):
         record = RoutingRecord(self.layer, routing, router, router_logits, predictor_logits, selection, capacity)
         part = self.config.route_part
         if part == "mlp":  # attention (and the KV cache) covers every token; only the MLP is routed
-            counts = lengths if lengths is not None else torch.full((batch,), seq_len, device=x.device,
-                                                                     dtype=torch.long)  # (B,)
-            prefill = (cache, cache_rows, counts) if cache is not None else None
-            x = x + self.delta_dropout(self.attn(self.attn_norm(x), cos[None], sin[None], prefill))
+            x = x + self.delta(x, cos[None], sin[None], every_token, part="attention")
             cache = None
         x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows)
         if part == "attention":  # only attention was routed; the MLP runs on every token
-            x = x + self.delta_dropout(self.mlp(self.mlp_norm(x)))
+            x = x + self.delta(x, cos[None], sin[None], part="mlp")
         return x, record
 
     def update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
