@@ -85,11 +85,13 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 
 @dataclass
 class Corpus:
-    """Train and validation token arrays (uint8 bytes) and where they came from."""
+    """Train and validation token arrays (bytes, or a tokenizer's ids) and where they came from."""
 
     train: np.ndarray
     val: np.ndarray
     description: str
+    bytes_per_token: float = 1.0
+    """UTF-8 bytes per token of the validation split (1 for bytes): turns a loss per token into bits per byte."""
 
 
 def load_corpus(config: DataConfig, seq_len: int, tokenizer: Tokenizer | None = None) -> Corpus:
@@ -101,8 +103,10 @@ def load_corpus(config: DataConfig, seq_len: int, tokenizer: Tokenizer | None = 
     if tokenized:
         if config.data is not None and Path(config.data).suffix == ".bin":
             raise UserError("--data: a .bin holds byte tokens; a run with a tokenizer.json reads text files")
-        corpus = Corpus(_tokenized(corpus.train, tokenizer), _tokenized(corpus.val, tokenizer),
-                        f"{corpus.description}, tokenized with {Path(tokenizer.name).name}")
+        val = _tokenized(corpus.val, tokenizer)
+        corpus = Corpus(_tokenized(corpus.train, tokenizer), val,
+                        f"{corpus.description}, tokenized with {Path(tokenizer.name).name}",
+                        len(corpus.val) / max(1, len(val)))
     total = len(corpus.train) + len(corpus.val)
     for name, split in (("training", corpus.train), ("validation", corpus.val)):
         if len(split) < seq_len + 1:

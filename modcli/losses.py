@@ -16,9 +16,9 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def bits_per_byte(loss_nats: float) -> float:
-    """Tokens are bytes, so bits per byte is the loss in bits."""
-    return loss_nats / math.log(2)
+def bits_per_byte(loss_nats: float, bytes_per_token: float = 1.0) -> float:
+    """A loss in nats per token -> bits per byte of text (bytes_per_token = 1 when tokens are bytes)."""
+    return loss_nats / math.log(2) / bytes_per_token
 
 
 def routing_losses(records: list[RoutingRecord]) -> tuple[Tensor, Tensor]:

@@ -80,8 +80,8 @@ class TrainResult:
     wall_time_s: float
     tokens_per_s: float
     dense: bool
-    router: str
-    """The router kind of the routed blocks (modcli.routing.registry)."""
+    router: str | None
+    """The router kind of the routed blocks (modcli.routing.registry); None for a dense model."""
     parameters: int
     world_size: int
 
@@ -165,7 +165,8 @@ def validation_losses(model: torch.nn.Module, corpus: Corpus, config: RunConfig,
         module.reshard()
     means = torch.stack([torch.stack(losses[mode]).mean() for mode in modes]).float()  # (modes,)
     by_mode = dict(zip(modes, distributed.mean_across_ranks(means, context).tolist(), strict=True))
-    result = {"val_loss": by_mode[modes[0]], "val_bits_per_byte": bits_per_byte(by_mode[modes[0]])}
+    result = {"val_loss": by_mode[modes[0]],
+              "val_bits_per_byte": bits_per_byte(by_mode[modes[0]], corpus.bytes_per_token)}
     if not config.model.dense:
         result.update({f"val_loss_{mode}": loss for mode, loss in by_mode.items()})
     return result
@@ -498,6 +499,6 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         val_causal={mode: caps.is_causal(mode) for mode in modes} if caps else {}, init_val_loss=run.init_val_loss,
         tokens=run.tokens, flops=run.flops,
         wall_time_s=run.elapsed_before + time.perf_counter() - session_start,
-        tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense, router=mc.router,
+        tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense, router=None if mc.dense else mc.router,
         parameters=run.model.num_parameters(), world_size=context.world_size,
     )

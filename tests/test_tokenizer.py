@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from typer.testing import CliRunner
 
@@ -35,8 +36,11 @@ def test_a_trained_tokenizer_drives_a_run_from_scratch(tmp_path):
                                  "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
     assert all(0 <= t < 320 for t in json.loads(result.stdout)["tokens"][0])
-    result = runner.invoke(app, ["eval", str(run), "--batches", "1", "--batch-size", "2", "--device", "cpu"])
+    result = runner.invoke(app, ["eval", str(run), "--batches", "1", "--batch-size", "2", "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
+    (mode, *_) = json.loads(result.stdout)["results"]
+    # bits per byte of text, not per token: a token here stands for about 2-3 bytes
+    assert mode["bits_per_byte"] < mode["loss"] / math.log(2) / 1.5
 
 
 def test_tokenizer_bad_input_exits_2(tmp_path):
