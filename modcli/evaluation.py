@@ -111,7 +111,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
         loss = totals[mode] / n_batches
         results.append(ModeResult(
             routing=mode, causal=caps is None or caps.is_causal(mode), loss=loss,
-            bits_per_byte=bits_per_byte(loss, corpus.bytes_per_token), perplexity=math.exp(loss), processed_fraction={k: v / n_batches for k, v in processed[mode].items()}))
+            bits_per_byte=bits_per_byte(loss, corpus.bytes_per_token), perplexity=math.exp(loss),
+            processed_fraction={k: v / n_batches for k, v in processed[mode].items()}))
     agreement = {block: {rule: {k: v / n_batches for k, v in stats.items()} for rule, stats in rules.items()}
                  for block, rules in agreement_sums.items()}
     state_step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
