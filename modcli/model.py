@@ -136,9 +136,11 @@ class Block(nn.Module):
         self.routed = config.is_routed(layer)
         self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
         router_kind = router_class(config.router)
-        # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received.
+        # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received,
+        # in the router's full-sequence modes (its causal modes decide without them).
         self.feeds_router = (not self.routed and config.is_routed(layer + 1) and layer + 1 < config.n_layers
                              and router_kind.reads_previous_attention)
+        self.next_causal_modes = router_kind.capabilities.causal_modes
 
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
               part: str = "block") -> Tensor:
@@ -173,8 +175,7 @@ class Block(nn.Module):
                                                                      dtype=torch.long)  # (B,)
             every_token = (cache, cache_rows, counts)
         if not self.routed:
-            received = {} if self.feeds_router and not router_class(self.config.router).capabilities.is_causal(
-                routing) else None
+            received = {} if self.feeds_router and routing not in self.next_causal_modes else None
             x = x + self.delta(x, cos[None], sin[None], every_token, received)
             return x, (received["scores"] if received else None)
 
