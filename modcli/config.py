@@ -14,6 +14,10 @@ from modcli.errors import UserError
 from modcli.routing.registry import ROUTERS
 
 ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
+INTEGRATED = "integrated"
+"""The router kind of integrated MoDE: not a token-selecting MoD router but no-op experts in the MoE MLP of the
+routed blocks (modcli.moe); every other kind is in modcli.routing.registry."""
+ROUTER_KINDS = (*ROUTERS, INTEGRATED)
 ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -85,6 +89,16 @@ class ModelConfig:
     """Share the token embedding with the LM head."""
     rope_base: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    experts: int = 0
+    """Experts of the mixture-of-experts MLP in every block (modcli.moe); 0 = the dense SwiGLU MLP."""
+    expert_top_k: int = 1
+    """Experts each token chooses (token choice; no-op experts included)."""
+    expert_capacity_factor: float = 1.25
+    """Training only: slots per expert and sequence = ceil(factor x tokens x top-k / (experts + no-op experts));
+    choices beyond them ride the residual. Evaluation and decoding have no limit."""
+    noop_experts: int = 0
+    """--router integrated (integrated MoDE): no-op experts added to the MoE of the routed blocks; a token that
+    chooses one skips the MLP."""
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 2, f"--vocab-size must be >= 2, got {self.vocab_size}")
@@ -115,10 +129,23 @@ class ModelConfig:
             f"--router-weight must be one of {', '.join(ROUTER_WEIGHTS)}, got {self.router_weight!r}",
         )
         require(self.predictor_hidden >= 0, f"--predictor-hidden must be >= 0, got {self.predictor_hidden}")
-        require(self.router in ROUTERS, f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        require(self.router in ROUTER_KINDS, f"--router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
         require(self.route_part in ROUTE_PARTS,
                 f"--route-part must be one of {', '.join(ROUTE_PARTS)}, got {self.route_part!r}")
         require(self.router_hidden >= 0, f"--router-hidden must be >= 0, got {self.router_hidden}")
+        require(self.experts >= 0, f"--experts must be >= 0, got {self.experts}")
+        require(self.noop_experts >= 0, f"--noop-experts must be >= 0, got {self.noop_experts}")
+        require(self.expert_capacity_factor > 0,
+                f"--expert-capacity-factor must be positive, got {self.expert_capacity_factor}")
+        if self.router == INTEGRATED:
+            require(self.experts >= 1 and self.noop_experts >= 1,
+                    "--router integrated (integrated MoDE) needs --experts >= 1 and --noop-experts >= 1")
+        else:
+            require(self.noop_experts == 0, f"--noop-experts is an option of --router integrated, not of --router "
+                                            f"{self.router}")
+        require(1 <= self.expert_top_k <= max(1, self.experts + self.noop_experts),
+                f"--expert-top-k must be in 1..{max(1, self.experts + self.noop_experts)} (the experts), "
+                f"got {self.expert_top_k}")
         for option in ("threshold", "capacity_max"):
             owner = next(kind for kind, spec in ROUTERS.items() if option in spec.options)
             require(getattr(self, option) is None or self.router == owner,
@@ -154,12 +181,36 @@ class ModelConfig:
 
     @property
     def dense(self) -> bool:
+        """No block is MoD-routed (no token skips a block by a MoD router); the MLPs may still be MoE."""
         return not self.routed_layers()
 
-    def is_routed(self, layer: int) -> bool:
+    @property
+    def kind(self) -> str:
+        """What the model is, in words: dense, MoE, MoD, staged MoDE or integrated MoDE."""
+        moe = f"E={self.experts}, top-{self.expert_top_k}"
+        if self.router == INTEGRATED and self.noop_layers():
+            return f"integrated MoDE ({moe}, {self.noop_experts} no-op)"
+        if self.dense:
+            return f"MoE ({moe})" if self.experts else "dense"
+        mod = f"MoD {self.router}, c={self.capacity:g}"
+        return f"staged MoDE ({mod}, {moe})" if self.experts else mod
+
+    def _in_route_set(self, layer: int) -> bool:
         if self.route_layers is not None:
             return layer in self.route_layers
         return self.route_every > 0 and layer % self.route_every == self.route_offset % self.route_every
+
+    def is_routed(self, layer: int) -> bool:
+        """The block has a MoD router that picks which tokens it processes (integrated MoDE has none: its routed
+        blocks choose no-op experts in the MLP instead, see `noop_experts_of`)."""
+        return self.router != INTEGRATED and self._in_route_set(layer)
+
+    def noop_layers(self) -> list[int]:
+        """Blocks whose MoE MLP has no-op experts (integrated MoDE: the --route-every / --route-layers blocks)."""
+        return [i for i in range(self.n_layers) if self.router == INTEGRATED and self._in_route_set(i)]
+
+    def noop_experts_of(self, layer: int) -> int:
+        return self.noop_experts if layer in self.noop_layers() else 0
 
     def routed_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_routed(i)]
@@ -186,8 +237,14 @@ class ModelConfig:
         return frac.numerator, frac.denominator
 
     def dense_twin(self) -> ModelConfig:
-        """The same shape with routing switched off."""
-        return dataclasses.replace(self, route_every=0, route_layers=None)
+        """The same shape with routing switched off: no MoD router, no no-op experts; an MoE MLP stays an MoE MLP
+        (`train --dense --experts 4` is MoE alone)."""
+        router = "topk" if self.router == INTEGRATED else self.router
+        return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0)
+
+    def dense_mlp_twin(self) -> ModelConfig:
+        """The fully dense model of the same shape: no routing and the dense SwiGLU MLP instead of experts."""
+        return dataclasses.replace(self.dense_twin(), experts=0, expert_top_k=1)
 
 
 @dataclass
@@ -232,6 +289,8 @@ class TrainConfig:
     router_aux_weight: float = 0.1
     """Weight of the router's auxiliary loss: for topk the BCE that teaches the router's sign to match top-k (causal
     decoding), for threshold the capacity regulariser."""
+    expert_aux_weight: float = 0.01
+    """Weight of the MoE load-balancing loss (Switch Transformer), mean over MoE blocks; with --experts."""
     router_lr_scale: float = 1.0
     """Learning rate of the router parameters (and predictor) relative to --lr."""
     capacity_warmup: int = 0
@@ -275,6 +334,7 @@ class TrainConfig:
         require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         require(self.router_aux_weight >= 0, f"--router-aux-weight must be >= 0, got {self.router_aux_weight}")
+        require(self.expert_aux_weight >= 0, f"--expert-aux-weight must be >= 0, got {self.expert_aux_weight}")
         require(self.router_lr_scale > 0, f"--router-lr-scale must be positive, got {self.router_lr_scale}")
         require(self.capacity_warmup >= 0, f"--capacity-warmup must be >= 0, got {self.capacity_warmup}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")

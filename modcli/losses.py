@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +45,21 @@ def routing_agreement(records: list[RoutingRecord]) -> dict[str, dict[str, dict[
     """Per routed block, the router's statistics of a training-mode pass (`Router.metrics`): for `topk` the
     accuracy, precision, recall and processed fraction of each causal rule against top-k."""
     return {f"block{record.layer}": record.router.metrics(record) for record in records}
+
+
+def expert_losses(model) -> tuple[Tensor, Callable[[], dict[str, dict]] | None]:
+    """The MoE load-balancing loss of the model's last forward pass (mean over MoE blocks; 0 without experts) and,
+    for metrics, a function of no arguments that reads each block's statistics (one device sync when called)."""
+    module = getattr(model, "module", getattr(model, "_orig_mod", model))  # DDP / torch.compile wrappers
+    module = getattr(module, "_orig_mod", module)
+    blocks = [(layer, block.mlp.stats) for layer, block in enumerate(module.blocks)
+              if getattr(block.mlp, "stats", None) is not None]
+    if not blocks:
+        return torch.zeros(()), None
+    aux = torch.stack([stats.aux_loss for _, stats in blocks]).mean()
+
+    def read() -> dict[str, dict[str, float]]:
+        return {f"block{layer}": {"dropped": stats.dropped.item(), "noop": stats.noop.item(),
+                                  "load": [round(x, 4) for x in stats.load.tolist()]} for layer, stats in blocks}
+
+    return aux, read

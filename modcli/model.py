@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from modcli.cache import DecoderCache, LayerKVCache
 from modcli.config import ModelConfig
 from modcli.errors import UserError
+from modcli.moe import MoEMLP
 from modcli.routing.base import Router, RouterCapabilities, RoutingRecord
 from modcli.routing.registry import router_class
 from modcli.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal
@@ -131,16 +132,17 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
+                           config.expert_capacity_factor, config.noop_experts_of(layer))
+                    if config.experts else SwiGLU(config))
         self.delta_dropout = nn.Dropout(config.dropout)
         self.routed = config.is_routed(layer)
         self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
-        router_kind = router_class(config.router)
         # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received,
         # in the router's full-sequence modes (its causal modes decide without them).
         self.feeds_router = (not self.routed and config.is_routed(layer + 1) and layer + 1 < config.n_layers
-                             and router_kind.reads_previous_attention)
-        self.next_causal_modes = router_kind.capabilities.causal_modes
+                             and router_class(config.router).reads_previous_attention)
+        self.next_causal_modes = router_class(config.router).capabilities.causal_modes if self.feeds_router else ()
 
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
               part: str = "block") -> Tensor:
@@ -273,7 +275,8 @@ class MoDDecoder(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * config.n_layers)
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, std=residual_std)
-            nn.init.normal_(block.mlp.down.weight, std=residual_std)
+            down = block.mlp.down
+            nn.init.normal_(down if isinstance(down, nn.Parameter) else down.weight, std=residual_std)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -372,3 +375,18 @@ class MoDDecoder(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: all but the experts it does not choose (top-k of E real experts; no-op
+        experts at their uniform share N / (E + N), the share the load-balancing loss aims at)."""
+        total = self.num_parameters()
+        for block in self.blocks:
+            if isinstance(block.mlp, MoEMLP):
+                moe = block.mlp
+                per_expert = moe.gate_up[0].numel() + moe.down[0].numel()
+                used = moe.top_k * moe.experts / moe.pool
+                total -= round((moe.experts - used) * per_expert)
+        return total
+
+    def moe_blocks(self) -> list[MoEMLP]:
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoEMLP)]

@@ -38,7 +38,7 @@ from modcli.data import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.distributed import DistributedContext
 from modcli.errors import TrainingDiverged, UserError
 from modcli.flops import training_flops
-from modcli.losses import bits_per_byte, lm_loss, routing_agreement, routing_losses
+from modcli.losses import bits_per_byte, expert_losses, lm_loss, routing_agreement, routing_losses
 from modcli.model import MoDDecoder
 from modcli.reporting import MetricsLog, StepProgress, stderr_console
 from modcli.runtime import autocast, seed_everything
@@ -441,7 +441,9 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                     logits, records = forward(inputs, train_mode, return_records=True, capacity=capacity)
                     loss = lm_loss(logits, targets)
                     router_aux, predictor_aux = routing_losses(records)
-                    total = loss + tc.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
+                    expert_aux, expert_stats = expert_losses(run.wrapped)
+                    total = (loss + tc.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
+                             + tc.expert_aux_weight * expert_aux.to(device))
                 scaler.scale(total / tc.grad_accum).backward()
                 loss_sum += loss.detach()
             train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
@@ -474,6 +476,10 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                     record["capacity"] = capacity
                 if run.step % tc.log_every == 0 or last_step:
                     record["routing"] = routing_agreement(records)
+            if expert_stats is not None:
+                record["expert_aux_loss"] = expert_aux.item()
+                if run.step % tc.log_every == 0 or last_step:
+                    record["experts"] = expert_stats()
             if evaluate_now:
                 validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)

@@ -22,7 +22,8 @@ Json = Annotated[bool, typer.Option("--json", help="Print exactly one JSON objec
 Capacity = Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")]
 RouteEvery = Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")]
 RouteOffset = Annotated[Optional[int], typer.Option(help="Index of the first routed block.")]
-Router = Annotated[Optional[str], typer.Option(help="Router kind: topk, random, threshold or attention (A-MoD).")]
+Router = Annotated[Optional[str], typer.Option(
+    help="Router kind: topk, random, threshold, attention (A-MoD) or integrated (MoDE with no-op experts).")]
 RouterWeight = Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")]
 RouterHidden = Annotated[Optional[int], typer.Option(help="MLP router width (0 = linear).")]
 Threshold = Annotated[Optional[float], typer.Option(
@@ -33,6 +34,13 @@ RouteLayers = Annotated[Optional[str], typer.Option(
     help="Route exactly these blocks, comma-separated (e.g. 1,3,5), instead of --route-every.")]
 RoutePart = Annotated[Optional[str], typer.Option(
     help="What routing skips: block (attention and MLP), attention or mlp.")]
+Experts = Annotated[Optional[int], typer.Option(
+    help="Mixture-of-experts MLP with this many experts in every block (0 = the dense MLP).")]
+ExpertTopK = Annotated[Optional[int], typer.Option(help="Experts each token chooses (token choice, default 1).")]
+ExpertCapacityFactor = Annotated[Optional[float], typer.Option(
+    help="Training only: expert slots per sequence = factor x tokens x top-k / experts (default 1.25).")]
+NoopExperts = Annotated[Optional[int], typer.Option(
+    help="--router integrated (integrated MoDE): no-op experts in the routed blocks' MoE.")]
 PredictorHidden = Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")]
 
 

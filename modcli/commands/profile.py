@@ -11,9 +11,13 @@ import typer
 from modcli.commands.common import (
     Capacity,
     CapacityMax,
+    ExpertCapacityFactor,
+    Experts,
+    ExpertTopK,
     Device,
     Dtype,
     Json,
+    NoopExperts,
     PredictorHidden,
     RouteEvery,
     RouteLayers,
@@ -33,7 +37,9 @@ from modcli.errors import UserError
 def profile(
     checkpoint: Annotated[Optional[str], typer.Argument(
         help="Run or checkpoint folder; without it a freshly initialised model of --preset/--config/flags.")] = None,
-    compare: Annotated[str, typer.Option(help="dense (the dense twin), none, or a run/checkpoint folder.")] = "dense",
+    compare: Annotated[str, typer.Option(
+        help="dense (the dense twin: no routing, dense MLP), moe (the same experts without MoD routing or no-op "
+             "experts), none, or a run/checkpoint folder.")] = "dense",
     preset: Annotated[Optional[str], typer.Option(help="tiny, small or base (default small).")] = None,
     config: Annotated[Optional[Path], typer.Option(
         "--config", help="TOML file with the same keys as the flags; flags win.")] = None,
@@ -53,6 +59,10 @@ def profile(
     capacity_max: CapacityMax = None,
     route_part: RoutePart = None,
     predictor_hidden: PredictorHidden = None,
+    experts: Experts = None,
+    expert_top_k: ExpertTopK = None,
+    expert_capacity_factor: ExpertCapacityFactor = None,
+    noop_experts: NoopExperts = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to profile (default: the model's).")] = None,
     seq_lens: Annotated[Optional[str], typer.Option(help="Sweep, comma-separated, e.g. 256,512,1024,2048.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per call.")] = 8,
@@ -81,7 +91,8 @@ def profile(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden, vocab_size=vocab_size,
         capacity=capacity, route_every=route_every, route_offset=route_offset, route_layers=route_layers, router=router,
         router_weight=router_weight, router_hidden=router_hidden, threshold=threshold, capacity_max=capacity_max,
-        route_part=route_part, predictor_hidden=predictor_hidden).items() if v is not None}
+        route_part=route_part, predictor_hidden=predictor_hidden, experts=experts, expert_top_k=expert_top_k,
+        expert_capacity_factor=expert_capacity_factor, noop_experts=noop_experts).items() if v is not None}
     model = None
     if checkpoint is None or model_flags or preset or config:
         from modcli.config import resolve_run_config

@@ -11,7 +11,11 @@ import typer
 from modcli.commands.common import (
     Capacity,
     CapacityMax,
+    ExpertCapacityFactor,
+    Experts,
+    ExpertTopK,
     Json,
+    NoopExperts,
     PredictorHidden,
     RouteEvery,
     RouteLayers,
@@ -50,6 +54,10 @@ def train(
     capacity_max: CapacityMax = None,
     route_part: RoutePart = None,
     predictor_hidden: PredictorHidden = None,
+    experts: Experts = None,
+    expert_top_k: ExpertTopK = None,
+    expert_capacity_factor: ExpertCapacityFactor = None,
+    noop_experts: NoopExperts = None,
     dropout: Annotated[Optional[float], typer.Option(help="Dropout on attention and block deltas (training).")] = None,
     dense: Annotated[Optional[bool], typer.Option("--dense", help="Train the dense twin (routing off).")] = None,
     d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
@@ -65,6 +73,8 @@ def train(
         help="Stop after this many training FLOPs (overrides --max-steps).")] = None,
     router_aux_weight: Annotated[Optional[float], typer.Option(
         help="Weight of the router's auxiliary loss (topk: BCE; threshold: capacity regulariser).")] = None,
+    expert_aux_weight: Annotated[Optional[float], typer.Option(
+        help="Weight of the MoE load-balancing loss (default 0.01).")] = None,
     router_lr_scale: Annotated[Optional[float], typer.Option(help="Router learning rate relative to --lr.")] = None,
     capacity_warmup: Annotated[Optional[int], typer.Option(
         help="Anneal the capacity from 1.0 to --capacity over N steps.")] = None,

@@ -1,0 +1,159 @@
+"""A Mixture-of-Experts MLP (token choice), with optional no-op experts for integrated MoDE.
+
+Every token's gate scores the E real experts and the N no-op experts: p = softmax(gate(x)) over E + N. The token
+goes to its `top_k` highest-scoring experts (token choice: each token decides from itself alone, so the choice is
+causal and decoding one token uses the same rule). Its MLP update is
+
+    mlp(x) = sum over its chosen real experts e of p_e * expert_e(x)
+
+and the block writes x + mlp(x), as it does with the dense MLP. A no-op expert contributes nothing and costs
+nothing: a token whose choices are all no-op experts skips the MLP, and because p_e is normalised over all E + N
+experts, the probability a token puts on "no compute" also scales down what the real experts add (the gate learns
+the choice by gradient, as the MoD router weight does). The raw probabilities are used, not renormalised over the
+chosen experts, so top-1 still passes a gradient to the gate.
+
+Two dispatches, the same maths:
+
+- **Training** (and export): a static expert capacity per sequence, C = ceil(capacity_factor x n x top_k / (E + N))
+  slots per real expert. Choices are served first-choice first, then in position order; a choice beyond its
+  expert's C slots is dropped (that expert adds nothing for the token: it rides the residual) and counted. The
+  experts run as one batched matmul over (B, E, C) slots, so the work is fixed: E x C tokens per sequence.
+  An exported graph has no capacity limit (C = n: exact, but every expert does n tokens of work).
+- **Evaluation and decoding**: no capacity limit (a capacity would make a token's fate depend on other tokens,
+  which decoding one token cannot know). The experts loop over exactly the tokens that chose them (one host sync
+  for their counts), so FLOPs and latency count only the experts a token really used.
+
+The load-balancing loss is Switch Transformer's: (E + N) x sum_i f_i x P_i over all E + N experts, with f_i the
+share of the choices that go to expert i (before capacity) and P_i the mean gate probability of expert i. It aims
+at a uniform share, so with N no-op experts about N / (E + N) of the choices skip the MLP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ExpertStats:
+    """What one MoE MLP did in its last forward pass (tensors, so reading them does not sync the device)."""
+
+    aux_loss: Tensor
+    """Switch load-balancing loss (0-d)."""
+    load: Tensor
+    """(E + N,) share of the choices each expert received (before capacity), no-op experts last."""
+    dropped: Tensor
+    """(0-d) share of the choices of real experts dropped by the capacity limit (0 outside training)."""
+    noop: Tensor
+    """(0-d) share of the choices that went to a no-op expert."""
+
+
+def expert_capacity(tokens: int, top_k: int, pool: int, capacity_factor: float) -> int:
+    """Slots per real expert for a sequence of `tokens` tokens: ceil(factor x tokens x top_k / pool), at most
+    `tokens` (a token chooses an expert at most once)."""
+    return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / pool)))
+
+
+def load_balancing_loss(probs: Tensor, choice: Tensor) -> Tensor:
+    """Switch's auxiliary loss: pool x sum_i f_i P_i; probs (N, pool) gate probabilities, choice (N, K) chosen."""
+    pool = probs.shape[-1]
+    share = F.one_hot(choice, pool).float().sum(dim=1).mean(dim=0) / choice.shape[-1]  # (pool,) f_i
+    return pool * (share * probs.float().mean(dim=0)).sum()
+
+
+class MoEMLP(nn.Module):
+    """Token-choice top-k over `experts` SwiGLU experts (stacked weights) plus `noop_experts` that do nothing."""
+
+    def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 1, capacity_factor: float = 1.25,
+                 noop_experts: int = 0) -> None:
+        super().__init__()
+        self.experts, self.noop_experts, self.top_k = experts, noop_experts, top_k
+        self.hidden, self.capacity_factor = hidden, capacity_factor
+        self.gate = nn.Linear(d_model, experts + noop_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(experts, d_model, 2 * hidden))  # (E, D, 2H)
+        self.down = nn.Parameter(torch.empty(experts, hidden, d_model))  # (E, H, D)
+        nn.init.normal_(self.gate_up, std=0.02)
+        nn.init.normal_(self.down, std=0.02)
+        self.stats: ExpertStats | None = None
+
+    @property
+    def pool(self) -> int:
+        return self.experts + self.noop_experts
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, n, D) -> gate probabilities (B, n, E + N) in float32, the chosen experts (B, n, K) and their
+        probabilities (B, n, K)."""
+        probs = self.gate(x).float().softmax(dim=-1)  # (B, n, pool)
+        weight, choice = probs.topk(self.top_k, dim=-1)  # (B, n, K)
+        return probs, choice, weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (B, n, D) -> the MLP update (B, n, D); zero for a token whose choices were no-op or dropped."""
+        probs, choice, weight = self.route(x)
+        static = self.training or torch.compiler.is_exporting()
+        if static:
+            capacity = expert_capacity(x.shape[1], self.top_k, self.pool, self.capacity_factor) if self.training \
+                else x.shape[1]
+            out, dropped = self._static_dispatch(x, choice, weight, capacity)
+        else:
+            out, dropped = self._exact_dispatch(x, choice, weight), torch.zeros((), device=x.device)
+        flat_choice = choice.flatten(0, 1)  # (B n, K)
+        aux = load_balancing_loss(probs.flatten(0, 1), flat_choice)
+        load = F.one_hot(flat_choice, self.pool).float().sum(dim=1).mean(dim=0) / self.top_k  # (pool,)
+        self.stats = ExpertStats(aux, load.detach(), dropped, load[self.experts:].sum().detach())
+        return out
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert e's SwiGLU on x (..., D)."""
+        gate, up = (x @ self.gate_up[e]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down[e]
+
+    def _exact_dispatch(self, x: Tensor, choice: Tensor, weight: Tensor) -> Tensor:
+        """Each real expert runs on exactly the tokens that chose it (a loop over experts, none over tokens)."""
+        batch, n, d_model = x.shape
+        tokens = x.reshape(-1, d_model)  # (N, D)
+        flat_choice, flat_weight = choice.reshape(-1), weight.reshape(-1)  # (N K,)
+        token_of = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)  # (N K,)
+        order = flat_choice.argsort(stable=True)  # choices grouped by expert, no-op experts last
+        counts = torch.bincount(flat_choice, minlength=self.pool)[:self.experts].tolist()  # one host sync
+        out = torch.zeros_like(tokens)  # (N, D)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                picked = order[start:start + count]  # (count,)
+                rows = token_of[picked]
+                update = self.expert(e, tokens[rows]) * flat_weight[picked, None].to(x.dtype)  # (count, D)
+                out = out.index_add(0, rows, update)
+            start += count
+        return out.view(batch, n, d_model)
+
+    def _static_dispatch(self, x: Tensor, choice: Tensor, weight: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+        """Each real expert gets `capacity` slots per sequence; choices beyond them are dropped. Returns the update
+        (B, n, D) and the share of real-expert choices dropped (0-d)."""
+        batch, n, d_model = x.shape
+        experts, top_k = self.experts, self.top_k
+        # Choices in priority order: every token's first choice (by position), then every token's second, ...
+        ordered = choice.transpose(1, 2).reshape(batch, top_k * n)  # (B, K n)
+        one_hot = F.one_hot(ordered, self.pool)[..., :experts]  # (B, K n, E); no-op choices are all zero
+        rank = ((one_hot.cumsum(dim=1) - 1) * one_hot).sum(dim=-1)  # (B, K n) slot within its expert
+        real = ordered < experts  # (B, K n)
+        kept = real & (rank < capacity)
+        dump = experts * capacity  # one extra slot that takes every dropped or no-op choice, then is discarded
+        slot = torch.where(kept, ordered * capacity + rank, torch.full_like(rank, dump))  # (B, K n)
+        token_of = torch.arange(n, device=x.device).repeat(top_k)  # (K n,) position of each ordered choice
+        inputs = x[:, token_of]  # (B, K n, D)
+        buffer = x.new_zeros(batch, dump + 1, d_model).scatter(1, slot[..., None].expand(-1, -1, d_model), inputs)
+        hidden = buffer[:, :dump].view(batch, experts, capacity, d_model)  # (B, E, C, D)
+        gate, up = torch.einsum("becd,edh->bech", hidden, self.gate_up).chunk(2, dim=-1)  # (B, E, C, H) each
+        done = torch.einsum("bech,ehd->becd", F.silu(gate) * up, self.down)  # (B, E, C, D)
+        done = torch.cat([done.reshape(batch, dump, d_model), x.new_zeros(batch, 1, d_model)], dim=1)
+        per_choice = done.gather(1, slot[..., None].expand(-1, -1, d_model))  # (B, K n, D)
+        ordered_weight = weight.transpose(1, 2).reshape(batch, top_k * n)  # (B, K n)
+        per_choice = per_choice * (ordered_weight * kept).to(x.dtype)[..., None]
+        out = per_choice.view(batch, top_k, n, d_model).sum(dim=1)  # (B, n, D)
+        dropped = (real & ~kept).sum() / real.sum().clamp(min=1)
+        return out, dropped.detach().float()
