@@ -6,10 +6,12 @@ import typer
 
 from modcli.commands import evaluate, generate, import_command, profile, tokenizer, train
 from modcli.commands import export as export_command
+from modcli.commands.common import OneLineErrors
 
 app = typer.Typer(
     help="Mixture-of-Depths decoders: train, evaluate, generate, profile, export, import.",
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+    cls=OneLineErrors,  # a flag that does not parse is one red line and exit code 2
 )
 app.command("train")(train.train)
 app.command("eval")(evaluate.eval_command)

@@ -20,13 +20,15 @@ import numpy as np
 import torch
 
 from modcli.config import DataConfig
-from modcli.errors import UserError
+from modcli.errors import UserError, WriteFailed
 from modcli.tokenizer import JsonTokenizer, Tokenizer
 
 TOKENIZE_CHUNK_BYTES = 1 << 20
 """Text is tokenized in pieces of about this size, cut at line ends."""
 
 FILE_SEPARATOR = b"\n\n"
+BINARY_SNIFF_BYTES = 8192
+"""A text file has no NUL byte in its first this many bytes (git's rule); .bin files are token files, not text."""
 
 
 def cache_dir() -> Path:
@@ -141,8 +143,27 @@ def _tokenized(text: np.ndarray, tokenizer: JsonTokenizer) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def _nul_offset(path: Path) -> int:
+    """Offset of the first NUL byte in the head of `path`, or -1 (text)."""
+    with open(path, "rb") as f:
+        return f.read(BINARY_SNIFF_BYTES).find(b"\0")
+
+
 def _byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
-    """The byte-level splits of the corpus; `seq_len` only sizes the tail split of a single file."""
+    """The byte-level splits of the corpus; `seq_len` only sizes the tail split of a single file. A file that
+    cannot be read, an empty or binary file and a folder without text files are UserErrors naming the path."""
+    path = Path(config.data) if config.data is not None else None
+    try:
+        return _read_byte_corpus(config, seq_len)
+    except OSError as exc:
+        where = exc.filename or path
+        if exc.filename and cache_dir() in Path(exc.filename).parents:
+            raise WriteFailed(f"cannot write the corpus cache {where}: {exc.strerror or exc} (MODCLI_CACHE names "
+                              "another folder for it)") from None
+        raise UserError(f"--data: cannot read {where}: {exc.strerror or exc}") from None
+
+
+def _read_byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
     if config.data is None:
         root, files = stdlib_files()
         tag = f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
@@ -156,12 +177,25 @@ def _byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
             files = [f for f in path.glob(config.glob) if f.is_file()]
             if not files:
                 raise UserError(f"--data: no files match {config.glob!r} in {path}")
-            train, val = _folder_split(path.resolve(), [f.resolve() for f in files], config.val_fraction, "folder")
+            text_files = [f for f in files if _nul_offset(f) < 0]  # a folder may hold images or caches: skip them
+            if not text_files:
+                raise UserError(f"--data: the {len(files)} files matching {config.glob!r} in {path} are all binary "
+                                "(NUL bytes); give text files or --glob")
+            skipped = len(files) - len(text_files)
+            train, val = _folder_split(path.resolve(), [f.resolve() for f in text_files], config.val_fraction,
+                                       "folder")
             if len(val) < seq_len + 1 and len(train) > 0:
                 # Too few files for a split by file: fall back to the tail of the concatenation.
                 train, val = _tail_split(np.concatenate([train, val]), config.val_fraction, seq_len)
-            description = f"{path} ({len(files)} files)"
+            description = f"{path} ({len(text_files)} files" + (f", {skipped} binary skipped)" if skipped else ")")
         else:
+            if path.stat().st_size == 0:
+                raise UserError(f"--data: {path} is empty")
+            if path.suffix != ".bin":
+                offset = _nul_offset(path)
+                if offset >= 0:
+                    raise UserError(f"--data: {path} is not text (a NUL byte at offset {offset}); give a text file, "
+                                    "a folder of them, or a .bin of byte tokens")
             train, val = _tail_split(_memmap(path), config.val_fraction, seq_len)
             description = str(path)
     if len(train) + len(val) == 0:

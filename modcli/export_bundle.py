@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ import numpy as np
 import torch
 
 from modcli.config import DTYPES, require
-from modcli.errors import UserError
+from modcli.errors import UserError, WriteFailed
 from modcli.export_lowering import (
     MIN_OPSET,
     aoti_supported,
@@ -53,6 +54,7 @@ from modcli.export_lowering import (
 )
 from modcli.export_validation import Check, validate_bundle, validation_providers, validation_text
 from modcli.model import MoDDecoder
+from modcli.run_lock import RunLock, sibling_lock_path
 
 PROVIDERS = ("auto", "cpu", "cuda")
 GRAPHS = ("forward", "decode")
@@ -196,13 +198,52 @@ def _require_runtime() -> None:
 
 
 def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> ExportResult:
-    """Export, validate and write the bundle; returns what was written and every check (see `valid`)."""
-    from modcli.checkpoint import load_model_from
-    from modcli.runtime import TORCH_DTYPES
+    """Export, validate and write the bundle; returns what was written and every check (see `valid`).
 
+    Holds a lock next to --out while it works, so a second export into the same --out is refused (UserError); a
+    failure to write (disk full) is a WriteFailed naming the path, and leaves no partial bundle behind.
+    """
     log = log or (lambda message: None)
     started = time.perf_counter()
     out = Path(config.out)
+    if out.parent.exists() and not out.parent.is_dir():
+        raise UserError(f"--out {out}: {out.parent} is a file")
+    lock = RunLock(sibling_lock_path(out), "export", out)  # a second export into --out is refused at once
+    if not out.parent.exists():
+        lock.remove_empty = out.parent
+    note = lock.acquire()
+    try:
+        if note:
+            log(note)
+        for line in _clean_stale(out):
+            log(line)
+        return _export(config, out, log, started)
+    finally:
+        lock.release()
+
+
+def _clean_stale(out: Path) -> list[str]:
+    """What a killed export left next to --out (only called while holding its lock): a bundle displaced by --force
+    is put back when nothing replaced it; temporary folders are removed. One note per folder."""
+    pattern = re.compile(rf"^\.(tmp|old)-{re.escape(out.name)}-\d+$")
+    notes = []
+    for path in sorted(out.parent.iterdir()):
+        match = pattern.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        if match.group(1) == "old" and not out.exists() and (path / "manifest.json").is_file():
+            os.replace(path, out)
+            notes.append(f"note: restored {out} from {path.name}, left by an interrupted export --force")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            notes.append(f"note: removed the stale temporary folder {path} (an interrupted export)")
+    return notes
+
+
+def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
+    from modcli.checkpoint import load_model_from
+    from modcli.runtime import TORCH_DTYPES
+
     _check_out(out, config.force)
     _require_runtime()
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
@@ -226,12 +267,11 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
     model = model.to(TORCH_DTYPES[config.dtype]).eval()
     text = validation_text(config.text, model.config.vocab_size)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
             shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
         result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()), providers,
@@ -244,8 +284,11 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
             shutil.rmtree(old)
         else:
             os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise WriteFailed(f"cannot write the bundle {out}: {exc.strerror or exc}{where}") from None
         raise
     result.seconds = time.perf_counter() - started
     return result

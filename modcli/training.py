@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import shutil
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from modcli import distributed
 from modcli.checkpoint import (
+    build_model,
+    check_config_values,
+    clean_stale,
     complete_checkpoints,
     load_model_from,
     load_weights,
@@ -36,15 +40,20 @@ from modcli.checkpoint import (
 from modcli.config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainConfig
 from modcli.data import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.distributed import DistributedContext
-from modcli.errors import TrainingDiverged, UserError
+from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.flops import training_flops
 from modcli.losses import bits_per_byte, expert_losses, lm_loss, routing_agreement, routing_losses
 from modcli.model import MoDDecoder
 from modcli.reporting import MetricsLog, StepProgress, stderr_console
+from modcli.run_lock import RunLock, run_lock_path
 from modcli.runtime import autocast, seed_everything
 from modcli.tokenizer import load_tokenizer
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+NAN_AT_STEP_ENV = "MODCLI_TEST_NAN_AT_STEP"
+"""Test hook, read from the environment only: the training loss of this step (from 1) is made NaN, as a diverging
+run's would be (tests/test_reliability.py)."""
+RESUME_KEYS = ("step", "tokens", "flops", "elapsed_s", "sampler")
 
 
 @dataclass
@@ -258,12 +267,15 @@ class _Prepared:
     elapsed_before: float = 0.0
     last_checkpoint: Path | None = None
     note: str | None = None
+    notes: list[str] = field(default_factory=list)
+    """Lines for rank 0 to print before training (a stale lock taken over, temporary folders cleaned up)."""
     init_val_loss: float | None = None
 
 
 def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     """Checks, data, model, optimizer and (with --resume) the newest checkpoint's state."""
     tc, mc = config.train, config.model
+    check_config_values(config.to_dict())
     run_dir = Path(tc.out)
     existing = complete_checkpoints(run_dir)
     if tc.resume and not existing:
@@ -281,13 +293,15 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     tokenizer = _run_tokenizer(config, init, context)
     corpus = load_corpus(config.data, mc.seq_len, tokenizer)
     seed_everything(tc.seed)  # identical initial weights on every rank
-    model = MoDDecoder(mc)
-    resume_state = None
+    model = build_model(mc)
+    resume_state = optimizer_state = None
     init_val_loss = None
     if tc.resume:
-        _check_resumable(read_config(existing[-1]), config, existing[-1])
-        load_weights(model, existing[-1])
-        resume_state = read_state(existing[-1])
+        newest = existing[-1]
+        _check_resumable(_loading(read_config, newest, existing), config, newest)
+        _loading(lambda checkpoint: load_weights(model, checkpoint), newest, existing)
+        resume_state = _loading(_read_resume_state, newest, existing)
+        optimizer_state = _loading(read_optimizer_state, newest, existing)
         init_val_loss = resume_state.get("init_val_loss")
     elif init is not None:
         original, _, _ = load_model_from(init, context.device)
@@ -303,14 +317,57 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss)
     torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
     if resume_state is not None:
-        set_optimizer_state_dict(model, optimizer, read_optimizer_state(existing[-1]),
-                                 options=StateDictOptions(full_state_dict=True))
+        newest = existing[-1]
+        try:
+            set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise UserError(f"{newest / 'optimizer.pt'} does not fit this model's optimizer: "
+                            f"{' '.join(str(exc).split())[:200]}") from None
         prepared.step, prepared.tokens = resume_state["step"], resume_state["tokens"]
         prepared.flops, prepared.elapsed_before = resume_state["flops"], resume_state["elapsed_s"]
-        prepared.last_checkpoint = existing[-1]
-        sampler.load_state(resume_state["sampler"])
-        prepared.note = restore_resume_state(resume_state, scaler, context, mc.dropout)
+        prepared.last_checkpoint = newest
+        try:
+            sampler.load_state(resume_state["sampler"])
+            prepared.note = restore_resume_state(resume_state, scaler, context, mc.dropout)
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+            raise UserError(f"{newest / 'state.json'} is damaged: {' '.join(str(exc).split())[:200]}") from None
     return prepared
+
+
+def _loading(read, checkpoint: Path, existing: list[Path]):
+    """read(checkpoint) for --resume; a damaged newest checkpoint says which older one could be resumed from."""
+    try:
+        return read(checkpoint)
+    except UserError as exc:
+        if len(existing) < 2:
+            raise
+        raise UserError(f"--resume: {exc}; the older {existing[-2].name} may be intact: move {checkpoint.name} out "
+                        "of the run folder to resume from it") from None
+
+
+def _read_resume_state(checkpoint: Path) -> dict[str, Any]:
+    state = read_state(checkpoint)
+    missing = [key for key in RESUME_KEYS if key not in state]
+    if missing:
+        raise UserError(f"{checkpoint / 'state.json'} is damaged: no {', '.join(missing)}")
+    return state
+
+
+def lock_run_folder(run_dir: Path) -> tuple[RunLock, list[str]]:
+    """Take the run folder's lock (a second `modcli train` into it is refused) and tidy what a killed save left;
+    returns the lock and the notes to print."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--out {run_dir} is a file, not a run folder")
+    created = not run_dir.exists()
+    lock = RunLock(run_lock_path(run_dir), "train", run_dir)
+    note = lock.acquire()
+    if created:
+        lock.remove_empty = run_dir
+    try:
+        return lock, ([note] if note else []) + clean_stale(run_dir)
+    except OSError as exc:
+        lock.release()
+        raise UserError(f"--out {run_dir}: cannot clean up temporary folders: {exc.strerror or exc}") from None
 
 
 def _check_init_from(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
@@ -368,15 +425,21 @@ def freeze_for(model: torch.nn.Module, trainable: str) -> None:
 def train(config: RunConfig, quiet: bool = False) -> TrainResult:
     """Train an MoD decoder (or its dense twin) as `config` says; returns the summary of the run."""
     context = distributed.setup(config.train.device)
+    lock = None
     try:
-        prepared, error = None, None
+        prepared, error, notes = None, None, []
         try:
+            if context.is_main:  # rank 0 writes the run folder, so rank 0 holds its lock
+                lock, notes = lock_run_folder(Path(config.train.out))
             prepared = _prepare(config, context)
+            prepared.notes = notes
         except UserError as exc:
             error = exc
         distributed.agree_on_errors(context, error)
         return _run(config, context, prepared, quiet or not context.is_main)
     finally:
+        if lock is not None:
+            lock.release()
         distributed.teardown(context)
 
 
@@ -399,8 +462,9 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
             f"{device}{parallel}; {steps} steps, global batch {global_batch} = {tc.batch_size} x {tc.grad_accum} "
             f"x {context.world_size} sequences of {mc.seq_len} tokens", highlight=False)
-        if run.note:
-            stderr_console.print(run.note, highlight=False)
+        for note in [*run.notes, run.note]:
+            if note:
+                stderr_console.print(note, highlight=False, soft_wrap=True)
     progress = StepProgress(steps, run.step, tc.log_every, quiet)
 
     session_start = time.perf_counter()
@@ -418,12 +482,22 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         to_save = run.model
         if model_state is not None:  # sharded or replicated across ranks: save a plain CPU copy
             with torch.random.fork_rng(devices=[]):  # its initialisation must not move the saved RNG on
-                to_save = MoDDecoder(mc)
+                to_save = build_model(mc)
             to_save.load_state_dict(model_state)
         state = {"step": run.step, "tokens": run.tokens, "flops": run.flops, "world_size": context.world_size,
                  "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                  "sampler": run.sampler.state(), "init_val_loss": run.init_val_loss, **resume_state}
         return save_checkpoint(run_dir, run.step, to_save, optimizer_state, config, state, tc.keep)
+
+    try:
+        nan_at_step = int(os.environ.get(NAN_AT_STEP_ENV) or 0)
+    except ValueError:
+        nan_at_step = 0
+
+    def diverged(what: str, step: int) -> str:
+        kept = (f"; the last good checkpoint, {run.last_checkpoint}, is kept" if run.last_checkpoint
+                else "; no checkpoint was saved before it")
+        return f"training diverged: {what} at step {step}{kept}"
 
     run.wrapped.train()
     try:
@@ -440,6 +514,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                 with autocast(device, tc.dtype):
                     logits, records = forward(inputs, train_mode, return_records=True, capacity=capacity)
                     loss = lm_loss(logits, targets)
+                    if nan_at_step == run.step + 1:
+                        loss = loss * float("nan")
                     router_aux, predictor_aux = routing_losses(records)
                     expert_aux, expert_stats = expert_losses(run.wrapped)
                     total = (loss + tc.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
@@ -448,10 +524,12 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                 loss_sum += loss.detach()
             train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
             if not math.isfinite(train_loss):
-                where = f"; the last good checkpoint is {run.last_checkpoint}" if run.last_checkpoint else ""
-                raise TrainingDiverged(f"training diverged: the loss became {train_loss} at step {run.step + 1}{where}")
+                raise TrainingDiverged(diverged(f"the loss became {train_loss}", run.step + 1))
             scaler.unscale_(run.optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip or float("inf"))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # float16's scaler skips such steps itself
+                raise TrainingDiverged(diverged(f"the gradient norm became {grad_norm}", run.step + 1))
             scaler.step(run.optimizer)
             scaler.update()
             run.optimizer.zero_grad(set_to_none=True)
@@ -465,7 +543,7 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             last_step = run.step == steps or bool(tc.flops_budget and run.flops >= tc.flops_budget)
             evaluate_now = run.step % tc.eval_every == 0 or last_step
             record = {"step": run.step, "loss": train_loss, "lr": lr,
-                      "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+                      "grad_norm": grad_norm,
                       "tokens": run.tokens, "flops": run.flops,
                       "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                       "tokens_per_s": session_tokens / max(train_time, 1e-9)}
@@ -483,11 +561,21 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             if evaluate_now:
                 validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)
+                if not all(math.isfinite(value) for value in validation.values()):
+                    raise TrainingDiverged(diverged(f"the validation loss became {validation['val_loss']}", run.step))
             if metrics is not None:
-                metrics.write(record)
+                try:
+                    metrics.write(record)
+                except OSError as exc:
+                    raise WriteFailed(f"cannot write {metrics.path}: {exc.strerror or exc}") from None
             progress.update(run.step, f"loss {train_loss:.3f} tok/s {record['tokens_per_s']:.0f}")
             if evaluate_now:
-                run.last_checkpoint = save()
+                error = None
+                try:
+                    run.last_checkpoint = save()
+                except WriteFailed as exc:
+                    error = exc
+                distributed.agree_on_errors(context, error)  # every rank stops, none waits in a collective
             if last_step:
                 break
     finally:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
 
-from modcli.errors import TrainingDiverged, UserError
+from modcli.errors import ReportedError
 
 stdout = Console()
 stderr = Console(stderr=True)
@@ -45,18 +48,54 @@ PredictorHidden = Annotated[Optional[int], typer.Option(help="Causal predictor w
 
 
 def user_errors(command):
-    """Turn a UserError (or a diverged run) into one red line on stderr and its exit code, no traceback."""
+    """Turn a ReportedError (a user's mistake: exit 2; a diverged run: 3; a failed write: 1) into one red line on
+    stderr and its exit code, no traceback. Any other exception is an internal failure and keeps its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except (UserError, TrainingDiverged) as exc:
+        except ReportedError as exc:
             if is_main_process():  # under torchrun every rank fails alike; one message is enough
-                stderr.print(f"[red]error: {exc}[/]", highlight=False, soft_wrap=True)
+                print_error(str(exc))
             raise typer.Exit(exc.exit_code) from None
 
     return wrapper
+
+
+def print_error(message: str) -> None:
+    """One red line on stderr: `error: message` (line breaks inside the message become spaces)."""
+    line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    stderr.print(f"[red]error: {escape(line)}[/]", highlight=False, soft_wrap=True)
+
+
+USAGE_ERROR = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "UsageError")
+"""click's UsageError as typer raises it (typer >= 0.20 carries its own copy of click)."""
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors():
+    try:
+        yield
+    except USAGE_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `modcli` alone prints its help
+            raise
+        hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+        print_error(exc.format_message() + hint)
+        raise typer.Exit(exc.exit_code) from None
+
+
+class OneLineErrors(TyperGroup):
+    """The root command group: a flag that does not parse (a bad value, an unknown option or command) is one red
+    line and exit code 2, like every other user mistake, instead of click's usage block."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _one_line_usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
 
 
 def is_main_process() -> bool:
