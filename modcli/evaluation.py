@@ -70,6 +70,8 @@ class EvalResult:
     against top-k (accuracy, precision, recall, processed fraction)."""
     router: str | None = None
     """The router kind (None for a dense model)."""
+    kind: str = ""
+    """The model family in words (ModelConfig.kind): dense, MoD ..., MoE ..., staged MoDE ..., integrated MoDE ..."""
 
 
 @torch.no_grad()
@@ -103,6 +105,10 @@ def evaluate(config: EvalConfig) -> EvalResult:
                 key = f"block{record.layer}"
                 fraction = record.selection.counts.sum().item() / inputs.numel()
                 processed[mode][key] = processed[mode].get(key, 0.0) + fraction
+            for layer in run_config.model.noop_layers():  # integrated MoDE: the share of choices that ran an expert
+                key = f"block{layer} mlp"
+                fraction = 1.0 - model.blocks[layer].mlp.stats.noop.item()
+                processed[mode][key] = processed[mode].get(key, 0.0) + fraction
             if records and mode == model.training_mode:
                 _accumulate(agreement_sums, routing_agreement(records))
 
@@ -117,7 +123,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
                  for block, rules in agreement_sums.items()}
     state_step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
     return EvalResult(str(checkpoint), state_step, corpus.description, n_batches * config.batch_size * seq_len,
-                      results, agreement, None if run_config.model.dense else run_config.model.router)
+                      results, agreement, None if run_config.model.dense else run_config.model.router,
+                      run_config.model.kind)
 
 
 def _accumulate(total: dict, update: dict) -> None:

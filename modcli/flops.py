@@ -45,16 +45,40 @@ def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> tuple[int, in
     return (k if config.attention_is_routed(layer) else seq_len, k if config.mlp_is_routed(layer) else seq_len)
 
 
-def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False) -> FlopBreakdown:
-    """Forward FLOPs per sequence of `seq_len` tokens, routed blocks at their capacity."""
-    d, hidden = config.d_model, config.hidden
+def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = False) -> tuple[int, int]:
+    """(MLP, MoE gate) FLOPs of `tokens` tokens through a block's MLP.
+
+    A dense MLP: every token. An MoE MLP (modcli.moe): the gate scores every token over E + N experts; in training
+    each real expert does its static capacity of C slots per sequence (whoever fills them), otherwise each token
+    does top-k experts, of which E / (E + N) are real at the balanced share the load-balancing loss aims at (the
+    real share is learnt: `modcli profile` counts what the experts really did)."""
+    per_token = 2 * config.d_model * 2 * config.hidden + 2 * config.hidden * config.d_model  # SwiGLU gate+up, down
+    if not config.experts:
+        return tokens * per_token, 0
+    from modcli.moe import expert_capacity  # torch-free import of a pure function would be nicer; moe needs torch
+
+    pool = config.experts + config.noop_experts_of(layer)
+    gate = 2 * tokens * config.d_model * pool
+    if training:
+        slots = config.experts * expert_capacity(tokens, config.expert_top_k, pool, config.expert_capacity_factor)
+    else:
+        slots = round(tokens * config.expert_top_k * config.experts / pool)
+    return slots * per_token, gate
+
+
+def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, training: bool = False) -> FlopBreakdown:
+    """Forward FLOPs per sequence of `seq_len` tokens, routed blocks at their capacity; `training`: the forward of
+    a training step (MoE experts at their static capacity, see `mlp_flops`)."""
+    d = config.d_model
     q_width, kv_width = config.n_heads * config.head_dim, config.kv_heads * config.head_dim  # GQA: fewer k, v heads
     out = FlopBreakdown()
     for layer in range(config.n_layers):
         n, n_mlp = block_tokens(config, layer, seq_len)
         out.attention_proj += 2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d  # qkv and output
         out.attention_scores += 2 * 2 * n * n * q_width  # q k^T and (scores) v, over all query heads
-        out.mlp += 2 * n_mlp * d * 2 * hidden + 2 * n_mlp * hidden * d  # SwiGLU gate+up, down
+        mlp, gate = mlp_flops(config, layer, n_mlp, training)
+        out.mlp += mlp
+        out.router += gate
         if config.is_routed(layer):
             router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
             out.router += router
@@ -71,7 +95,7 @@ def training_flops(config: ModelConfig, seq_len: int) -> int:
     q k^T scores), and the predictor reads a stop-gradient copy of the block input, so its first layer computes no
     gradient for its input.
     """
-    forward = flops(config, seq_len, include_predictor=True)
+    forward = flops(config, seq_len, include_predictor=True, training=True)
     predictor_input_grad = 2 * seq_len * config.d_model * config.predictor_hidden * len(config.routed_layers())
     # A dense block feeding an A-MoD router computes its attention explicitly (two plain matmuls): no recompute.
     explicit = 0
@@ -91,14 +115,16 @@ def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tup
     --route-part attention or mlp, `(attention_rows, slots, mlp_rows)`. A routed layer's router runs for every row
     (its logit is the decision or the weight), its predictor only with `routing="predictor"`.
     """
-    d, hidden = config.d_model, config.hidden
+    d = config.d_model
     q_width, kv_width = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
     out = FlopBreakdown()
     for layer in range(config.n_layers):
         rows, slots, *mlp_rows = layer_work[layer]
         out.attention_proj += rows * (2 * d * (q_width + 2 * kv_width) + 2 * q_width * d)
         out.attention_scores += rows * 2 * 2 * slots * q_width
-        out.mlp += (mlp_rows[0] if mlp_rows else rows) * (2 * d * 2 * hidden + 2 * hidden * d)
+        mlp, gate = mlp_flops(config, layer, mlp_rows[0] if mlp_rows else rows)
+        out.mlp += mlp
+        out.router += gate
         if config.is_routed(layer):
             router, predictor = router_class(config.router).flops(config, batch, routing == "predictor")
             out.router += router

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 
 @dataclass
@@ -95,12 +96,17 @@ class MoEMLP(nn.Module):
         """x (B, n, D) -> the MLP update (B, n, D); zero for a token whose choices were no-op or dropped."""
         probs, choice, weight = self.route(x)
         static = self.training or torch.compiler.is_exporting()
-        if static:
+        # An exported decode step has one token per row; the forward graph's (B, k) of a staged block is symbolic.
+        if static and not self.training and guard_or_false(x.shape[1] == 1):
+            out, dropped = self._decode_dispatch(x, choice, weight), torch.zeros((), device=x.device)
+        elif static:
             capacity = expert_capacity(x.shape[1], self.top_k, self.pool, self.capacity_factor) if self.training \
                 else x.shape[1]
             out, dropped = self._static_dispatch(x, choice, weight, capacity)
         else:
             out, dropped = self._exact_dispatch(x, choice, weight), torch.zeros((), device=x.device)
+        if torch.compiler.is_exporting():  # a graph has no use for the statistics (and torch.cond forbids them)
+            return out
         flat_choice = choice.flatten(0, 1)  # (B n, K)
         aux = load_balancing_loss(probs.flatten(0, 1), flat_choice)
         load = F.one_hot(flat_choice, self.pool).float().sum(dim=1).mean(dim=0) / self.top_k  # (pool,)
@@ -130,6 +136,29 @@ class MoEMLP(nn.Module):
                 out = out.index_add(0, rows, update)
             start += count
         return out.view(batch, n, d_model)
+
+    def _decode_dispatch(self, x: Tensor, choice: Tensor, weight: Tensor) -> Tensor:
+        """One token per row, x (B, 1, D), in static shapes (the exported decode step): each row's chosen experts'
+        weights are gathered and applied by a batched matmul, so a row does its top-k experts' work, not E. Rows
+        that chose a no-op expert are computed and discarded, unless no row chose a real expert: then `torch.cond`
+        (an ONNX If) skips the experts altogether."""
+        real = choice < self.experts  # (B, 1, K)
+
+        def run(x: Tensor, choice: Tensor, weight: Tensor) -> Tensor:
+            batch, _, d_model = x.shape  # read inside: a cond branch may not close over symbolic sizes
+            real = choice < self.experts
+            index = torch.where(real, choice, torch.zeros_like(choice)).reshape(-1)  # (B K,)
+            rows = x.expand(batch, self.top_k, d_model).reshape(-1, 1, d_model)  # (B K, 1, D)
+            gate, up = torch.bmm(rows, self.gate_up[index]).chunk(2, dim=-1)  # (B K, 1, H) each
+            done = torch.bmm(F.silu(gate) * up, self.down[index]).view(batch, self.top_k, d_model)  # (B, K, D)
+            return (done * (weight * real).to(x.dtype).view(batch, self.top_k, 1)).sum(dim=1, keepdim=True)
+
+        def skip(x: Tensor, choice: Tensor, weight: Tensor) -> Tensor:
+            return torch.zeros_like(x)
+
+        if not self.noop_experts:
+            return run(x, choice, weight)
+        return torch.cond(real.any(), run, skip, (x, choice, weight))
 
     def _static_dispatch(self, x: Tensor, choice: Tensor, weight: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
         """Each real expert gets `capacity` slots per sequence; choices beyond them are dropped. Returns the update

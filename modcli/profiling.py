@@ -49,7 +49,7 @@ from modcli.cache import DecoderCache
 from modcli.config import DEVICES, DTYPES, ModelConfig, TrainConfig, require
 from modcli.errors import UserError
 from modcli.flops import counted_flops, flops, training_flops
-from modcli.losses import lm_loss, routing_losses
+from modcli.losses import expert_losses, lm_loss, routing_losses
 from modcli.model import MoDDecoder
 from modcli.reporting import stderr_console
 from modcli.runtime import TORCH_DTYPES, autocast, device_name, resolve_device, seed_everything
@@ -87,7 +87,8 @@ class ProfileConfig:
     model: ModelConfig | None = None
     """The shape to profile when no checkpoint is given (from --preset, --config and the model flags)."""
     compare: str = "dense"
-    """dense (the model's dense twin), none, or a run/checkpoint folder to compare with."""
+    """dense (the model's dense twin: no routing, the dense MLP), moe (the same experts without MoD routing or no-op
+    experts), none, or a run/checkpoint folder to compare with."""
     seq_lens: list[int] | None = None
     """Sequence lengths to profile; None = the model's seq_len."""
     batch_size: int = 8
@@ -120,7 +121,7 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         require(self.checkpoint is None or self.model is None,
                 "--preset, --config and the model flags describe a new model; do not combine them with a checkpoint")
-        require(bool(self.compare), "--compare must be dense, none or a run/checkpoint folder")
+        require(bool(self.compare), "--compare must be dense, moe, none or a run/checkpoint folder")
         if self.seq_lens is not None:
             require(bool(self.seq_lens), "--seq-lens: give at least one sequence length")
             for seq_len in self.seq_lens:
@@ -209,6 +210,8 @@ class ModelInfo:
     label: str
     source: str
     parameters: int
+    active_parameters: int
+    """Parameters one token uses (MoE: only the experts it chooses; see MoDDecoder.active_parameters)."""
     dense: bool
     routed_layers: list[int]
     capacity: float
@@ -347,12 +350,22 @@ def _load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
                    device: torch.device) -> tuple[MoDDecoder | None, ModelInfo | None]:
     if config.compare == "none":
         return None, None
-    if config.compare == "dense":
-        if model.config.dense:
-            raise UserError(f"--compare dense: {info.source} is already dense; compare it with a checkpoint or none")
+    if config.compare in ("dense", "moe"):
+        mc = model.config
+        if config.compare == "dense":
+            twin_config, what = mc.dense_mlp_twin(), "dense twin"
+            if mc.dense and not mc.experts:
+                raise UserError(f"--compare dense: {info.source} is already dense; compare it with a checkpoint or "
+                                "none")
+        else:
+            twin_config, what = mc.dense_twin(), "MoE twin"
+            if not mc.experts:
+                raise UserError(f"--compare moe: {info.source} has no experts (train it with --experts E)")
+            if not mc.routed_layers() and not mc.noop_layers():
+                raise UserError(f"--compare moe: {info.source} is already MoE without MoD; compare it with dense")
         seed_everything(config.seed)
-        twin = MoDDecoder(model.config.dense_twin()).to(device).eval()
-        return twin, _info(twin, f"dense twin of {info.source}", calibrated=False)
+        twin = MoDDecoder(twin_config).to(device).eval()
+        return twin, _info(twin, f"{what} of {info.source}", calibrated=False)
     from modcli.checkpoint import load_model_from
 
     try:
@@ -364,8 +377,8 @@ def _load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
 
 def _info(model: MoDDecoder, source: str, calibrated: bool) -> ModelInfo:
     mc = model.config
-    label = "dense" if mc.dense else f"MoD c={mc.capacity:g}"
-    return ModelInfo(label=label, source=source, parameters=model.num_parameters(), dense=mc.dense,
+    return ModelInfo(label=mc.kind, source=source, parameters=model.num_parameters(),
+                     active_parameters=model.active_parameters(), dense=mc.dense,
                      routed_layers=mc.routed_layers(), capacity=mc.capacity, routers_calibrated=calibrated,
                      config=dataclasses.asdict(mc))
 
@@ -437,7 +450,8 @@ def train_call(model: MoDDecoder, step_model, tokens: torch.Tensor, device: torc
             logits, records = step_model(tokens, return_records=True)  # the router's training mode
             loss = lm_loss(logits, targets)
             router_aux, predictor_aux = routing_losses(records)
-            total = loss + train_config.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
+            total = (loss + train_config.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
+                     + train_config.expert_aux_weight * expert_losses(step_model)[0].to(device))
         scaler.scale(total).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
@@ -601,7 +615,8 @@ def _forward_backward(model: MoDDecoder, tokens: torch.Tensor, device: torch.dev
     with autocast(device, dtype):
         logits, records = model(tokens, return_records=True)
         router_aux, predictor_aux = routing_losses(records)
-        total = lm_loss(logits, tokens.roll(-1, dims=1)) + router_aux.to(device) + predictor_aux.to(device)
+        total = (lm_loss(logits, tokens.roll(-1, dims=1)) + router_aux.to(device) + predictor_aux.to(device)
+                 + expert_losses(model)[0].to(device))
     total.backward()
 
 

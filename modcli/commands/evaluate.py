@@ -34,7 +34,7 @@ def eval_command(
         from modcli.reporting import print_json
         print_json(dataclasses.asdict(result))
         return
-    table = Table(title=f"{result.checkpoint} on {result.corpus} ({result.tokens:,} tokens)")
+    table = Table(title=f"{result.checkpoint} ({result.kind}) on {result.corpus} ({result.tokens:,} tokens)")
     for column in ("routing", "causal", "loss", "bits/byte", "perplexity", "processed per routed block"):
         table.add_column(column, justify="left" if column in ("routing", "processed per routed block") else "right")
     for r in result.results:

@@ -165,6 +165,10 @@ def _table(result, r):
         return None if obj is None else getattr(obj, name)
 
     row("parameters", result.model.parameters, get(result.baseline, "parameters"), lambda n: f"{n:,}")
+    if result.model.active_parameters != result.model.parameters or (
+            compared and result.baseline.active_parameters != result.baseline.parameters):
+        row("active parameters per token", result.model.active_parameters, get(result.baseline, "active_parameters"),
+            lambda n: f"{n:,}")
     row("forward FLOPs/seq (analytic)", m.forward_flops_per_seq, get(b, "forward_flops_per_seq"), human)
     row("forward FLOPs/seq (counted)", m.forward_flops_counted_per_seq, get(b, "forward_flops_counted_per_seq"),
         human, "forward_flops")
