@@ -23,7 +23,7 @@ ROUTING_MODES = ("topk", "router", "predictor")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRAINABLE = ("all", "routers", "routers+norms")
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
-                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings")
+                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts")
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 DTYPES = ("float32", "bfloat16", "float16")
 
