@@ -1,0 +1,235 @@
+"""Figures of `modcli sweep` (isoFLOP curves, the speed-quality frontier) and `modcli plot` (training curves).
+
+matplotlib is imported inside each function (Agg backend, no display), so importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from modcli.errors import UserError
+
+MARKERS = ["o", "^", "s", "D", "v", "P", "X", "<", ">", "h"]
+DPI = 110
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _variants(runs: list[dict[str, Any]]) -> list[str]:
+    """Variant names, dense ones first, in grid order."""
+    names = list(dict.fromkeys(r["variant"] for r in runs))
+    dense = {r["variant"] for r in runs if r["dense"]}
+    return [n for n in names if n in dense] + [n for n in names if n not in dense]
+
+
+def _budget_colours(budgets: list[float]) -> dict[float, Any]:
+    plt = _pyplot()
+    cmap = plt.get_cmap("viridis")
+    n = max(1, len(budgets) - 1)
+    return {budget: cmap(0.1 + 0.75 * i / n) for i, budget in enumerate(sorted(budgets))}
+
+
+def isoflop_plot(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]], path: str | Path) -> str:
+    """Causal validation loss against parameters, one colour per training-FLOP budget; dense runs are solid lines
+    with circles, each MoD variant a dashed line with its own marker. The lowest point of each curve has a black
+    edge, and the best run of each budget a star."""
+    plt = _pyplot()
+    runs = [r for r in runs if r.get("causal_loss") is not None]
+    budgets = sorted({r["budget"] for r in runs})
+    colours = _budget_colours(budgets)
+    variants = _variants(runs)
+    winners = {entry["overall"]["name"] for entry in best.values() if "overall" in entry}
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for budget in budgets:
+        for i, variant in enumerate(variants):
+            curve = sorted((r for r in runs if r["budget"] == budget and r["variant"] == variant),
+                           key=lambda r: r["parameters"])
+            if not curve:
+                continue
+            dense = curve[0]["dense"]
+            xs, ys = [r["parameters"] for r in curve], [r["causal_loss"] for r in curve]
+            ax.plot(xs, ys, linestyle="-" if dense else "--", marker=MARKERS[i % len(MARKERS)], color=colours[budget],
+                    markersize=6, linewidth=1.6 if dense else 1.2, alpha=0.95)
+            low = min(curve, key=lambda r: r["causal_loss"])
+            ax.plot([low["parameters"]], [low["causal_loss"]], marker=MARKERS[i % len(MARKERS)], markersize=9,
+                    color=colours[budget], markeredgecolor="black", markeredgewidth=1.5, linestyle="none")
+            for r in curve:
+                if r["name"] in winners:
+                    ax.plot([r["parameters"]], [r["causal_loss"]], marker="*", markersize=17, color="gold",
+                            markeredgecolor="black", linestyle="none", zorder=5)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("validation loss, causal routing (nats/token)")
+    ax.set_title("isoFLOP curves: one colour per training-FLOP budget")
+    ax.grid(True, which="both", alpha=0.3)
+    handles = [plt.Line2D([], [], color=colours[b], linewidth=3, label=f"{b:.3g} FLOPs") for b in budgets]
+    handles += [plt.Line2D([], [], color="gray", marker=MARKERS[i % len(MARKERS)], linestyle="-" if _is_dense(runs, v)
+                           else "--", label=v) for i, v in enumerate(variants)]
+    handles += [plt.Line2D([], [], marker="*", color="gold", markeredgecolor="black", markersize=12, linestyle="none",
+                           label="best of the budget"),
+                plt.Line2D([], [], marker="o", color="white", markeredgecolor="black", markersize=8, linestyle="none",
+                           label="lowest of its curve")]
+    ax.legend(handles=handles, fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return str(path)
+
+
+def _is_dense(runs: list[dict[str, Any]], variant: str) -> bool:
+    return any(r["dense"] for r in runs if r["variant"] == variant)
+
+
+def relative_latency(runs: list[dict[str, Any]], quantity: str) -> tuple[dict[str, float], str | None]:
+    """Each run's `quantity` latency (forward, decode) relative to the dense model of the largest size.
+
+    A run's own ratio against its dense twin was timed interleaved, call by call (exact to the noise of one
+    measurement); the size factor (the dense twin of its size against the dense model of the largest size) is the
+    median over every measurement of those dense shapes in the sweep, which were taken at different times.
+    Returns (run name -> relative latency, the reference size)."""
+    timed = [r for r in runs if r.get("latency") and r["latency"].get(f"{quantity}_ms")]
+    if not timed:
+        return {}, None
+    by_size: dict[str, list[float]] = {}
+    params: dict[str, int] = {}
+    for r in timed:
+        by_size.setdefault(r["size"], []).append(r["latency"][f"dense_{quantity}_ms"])
+        if r["dense"]:
+            params[r["size"]] = r["parameters"]
+        else:
+            params.setdefault(r["size"], r["parameters"])
+    reference = max(by_size, key=lambda size: params[size])
+    reference_ms = statistics.median(by_size[reference])
+    out = {}
+    for r in timed:
+        ratio = r["latency"].get(f"{quantity}_ratio")
+        if ratio is not None:
+            out[r["name"]] = ratio * statistics.median(by_size[r["size"]]) / reference_ms
+    return out, reference
+
+
+def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The lower-left envelope: points no other point beats in both latency and loss."""
+    front, best = [], float("inf")
+    for x, y in sorted(points):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def frontier_plot(runs: list[dict[str, Any]], path: str | Path) -> str:
+    """Causal validation loss against measured latency (forward and decode panels), relative to the dense model of
+    the largest size; one colour per budget, one marker per variant, each budget's Pareto frontier drawn."""
+    plt = _pyplot()
+    runs = [r for r in runs if r.get("causal_loss") is not None and r.get("latency")]
+    if not runs:
+        raise UserError("no run has latency measurements (run the sweep with --profile)")
+    budgets = sorted({r["budget"] for r in runs})
+    colours = _budget_colours(budgets)
+    variants = _variants(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    for ax, quantity in zip(axes, ("forward", "decode"), strict=True):
+        x, reference = relative_latency(runs, quantity)
+        for budget in budgets:
+            at = [r for r in runs if r["budget"] == budget and r["name"] in x]
+            for i, variant in enumerate(variants):
+                pts = [r for r in at if r["variant"] == variant]
+                ax.scatter([x[r["name"]] for r in pts], [r["causal_loss"] for r in pts], marker=MARKERS[i % len(MARKERS)],
+                           color=colours[budget], edgecolor="black" if pts and pts[0]["dense"] else "none", s=42, zorder=3)
+            front = _pareto([(x[r["name"]], r["causal_loss"]) for r in at])
+            if front:
+                ax.plot(*zip(*front, strict=True), color=colours[budget], linewidth=1.2, alpha=0.8, drawstyle="steps-post")
+        ax.set_xlabel(f"{quantity} latency relative to the dense {reference}")
+        ax.set_title(f"{quantity} ({'whole sequence' if quantity == 'forward' else 'one token, causal routing'})")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("validation loss, causal routing (nats/token)")
+    handles = [plt.Line2D([], [], color=colours[b], linewidth=3, label=f"{b:.3g} FLOPs") for b in budgets]
+    handles += [plt.Line2D([], [], color="gray", marker=MARKERS[i % len(MARKERS)], linestyle="none", label=v)
+                for i, v in enumerate(variants)]
+    axes[1].legend(handles=handles, fontsize=8, loc="best")
+    fig.suptitle("speed-quality frontier (lines: each budget's Pareto front)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return str(path)
+
+
+# --- modcli plot ---------------------------------------------------------------------------------------------------
+
+
+def read_metrics(run: str | Path) -> list[dict[str, Any]]:
+    """A run folder's metrics.jsonl (what `modcli train` writes), one dict per step."""
+    path = Path(run) / "metrics.jsonl"
+    if not Path(run).is_dir():
+        raise UserError(f"no such run folder: {run}")
+    if not path.is_file():
+        raise UserError(f"{run} has no metrics.jsonl: not a run folder of `modcli train` or `modcli sweep`")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{path}: line {number} is not JSON") from None
+    if not records:
+        raise UserError(f"{path} is empty: the run has not trained a step yet")
+    return records
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    if window <= 1:
+        return values
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def curves_plot(runs: list[str], path: str | Path, smooth: int = 10, labels: list[str] | None = None) -> dict[str, Any]:
+    """Training loss (moving average over `smooth` steps) and validation loss in the causal routing mode against
+    training FLOPs, one colour per run; returns what was drawn per run."""
+    plt = _pyplot()
+    data = [(label, read_metrics(run)) for label, run in zip(labels or [Path(r).name for r in runs], runs, strict=True)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    colours = plt.get_cmap("tab10")
+    drawn = {}
+    for i, (label, records) in enumerate(data):
+        colour = colours(i % 10)
+        train = [(r["flops"], r["loss"]) for r in records if "loss" in r and "flops" in r]
+        val = [(r["flops"], r["val_loss"]) for r in records if "val_loss" in r and "flops" in r]
+        if train:
+            xs, ys = zip(*train, strict=True)
+            left.plot(xs, _smooth(list(ys), smooth), color=colour, label=label, linewidth=1.3)
+        if val:
+            xs, ys = zip(*val, strict=True)
+            right.plot(xs, ys, color=colour, marker="o", markersize=3, label=label, linewidth=1.3)
+        drawn[label] = {"steps": len(train), "evaluations": len(val),
+                        "final_train_loss": train[-1][1] if train else None,
+                        "final_val_loss": val[-1][1] if val else None, "flops": train[-1][0] if train else None}
+    for ax, title in ((left, f"training loss ({smooth}-step mean)" if smooth > 1 else "training loss"),
+                      (right, "validation loss, causal routing (dense: the only one)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("training FLOPs")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return drawn
