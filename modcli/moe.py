@@ -168,19 +168,21 @@ class MoEMLP(nn.Module):
         # Choices in priority order: every token's first choice (by position), then every token's second, ...
         ordered = choice.transpose(1, 2).reshape(batch, top_k * n)  # (B, K n)
         one_hot = F.one_hot(ordered, self.pool)[..., :experts]  # (B, K n, E); no-op choices are all zero
-        rank = ((one_hot.cumsum(dim=1) - 1) * one_hot).sum(dim=-1)  # (B, K n) slot within its expert
+        rank = ((one_hot.cumsum(dim=1) - 1) * one_hot).sum(dim=-1)  # (B, K n) slot within its expert and sequence
         real = ordered < experts  # (B, K n)
         kept = real & (rank < capacity)
-        dump = experts * capacity  # one extra slot that takes every dropped or no-op choice, then is discarded
-        slot = torch.where(kept, ordered * capacity + rank, torch.full_like(rank, dump))  # (B, K n)
+        # Slots laid out expert-major, (E, B, C), so that each expert's work is one contiguous matmul operand.
+        dump = experts * batch * capacity  # one extra slot takes every dropped or no-op choice, then is discarded
+        rows = torch.arange(batch, device=x.device)[:, None] * capacity  # (B, 1)
+        slot = torch.where(kept, ordered * (batch * capacity) + rows + rank, torch.full_like(rank, dump)).reshape(-1)
         token_of = torch.arange(n, device=x.device).repeat(top_k)  # (K n,) position of each ordered choice
-        inputs = x[:, token_of]  # (B, K n, D)
-        buffer = x.new_zeros(batch, dump + 1, d_model).scatter(1, slot[..., None].expand(-1, -1, d_model), inputs)
-        hidden = buffer[:, :dump].view(batch, experts, capacity, d_model)  # (B, E, C, D)
-        gate, up = torch.einsum("becd,edh->bech", hidden, self.gate_up).chunk(2, dim=-1)  # (B, E, C, H) each
-        done = torch.einsum("bech,ehd->becd", F.silu(gate) * up, self.down)  # (B, E, C, D)
-        done = torch.cat([done.reshape(batch, dump, d_model), x.new_zeros(batch, 1, d_model)], dim=1)
-        per_choice = done.gather(1, slot[..., None].expand(-1, -1, d_model))  # (B, K n, D)
+        inputs = x[:, token_of].reshape(-1, d_model)  # (B K n, D)
+        buffer = x.new_zeros(dump + 1, d_model).index_put((slot,), inputs)  # (E B C + 1, D)
+        hidden = buffer[:dump].view(experts, batch * capacity, d_model)  # (E, B C, D)
+        gate, up = torch.bmm(hidden, self.gate_up).chunk(2, dim=-1)  # (E, B C, H) each
+        done = torch.bmm(F.silu(gate) * up, self.down).view(dump, d_model)  # (E B C, D)
+        done = torch.cat([done, x.new_zeros(1, d_model)])  # the dump slot's output is zero
+        per_choice = done[slot].view(batch, top_k * n, d_model)  # (B, K n, D)
         ordered_weight = weight.transpose(1, 2).reshape(batch, top_k * n)  # (B, K n)
         per_choice = per_choice * (ordered_weight * kept).to(x.dtype)[..., None]
         out = per_choice.view(batch, top_k, n, d_model).sum(dim=1)  # (B, n, D)
