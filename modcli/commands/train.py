@@ -142,7 +142,7 @@ def train(
             validation.append((f"validation loss ({mode}, {label})", f"{loss:.4f}"))
     if result.init_val_loss is not None:
         validation.append(("validation loss of the --init-from model", f"{result.init_val_loss:.4f}"))
-    title = "training summary" + (" (dense)" if result.dense else f" (MoD, {result.router} router)")
+    title = f"training summary ({run_config.model.kind})"
     stdout.print(key_value_table(title, [
         ("steps", str(result.steps)),
         ("parameters", f"{result.parameters:,}"),
