@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from modcli.config import DataConfig, ModelConfig, RunConfig, TrainConfig, require, resolve_run_config
-from modcli.errors import UserError
+from modcli.errors import TrainingDiverged, UserError
 from modcli.reporting import stderr_console
 
 GRID_KEYS = ("preset", "budgets", "common", "size", "variant", "eval", "profile")
@@ -406,7 +406,7 @@ def write_results(out: Path, results: dict[str, dict[str, Any]]) -> None:
 def _is_done(record: dict[str, Any] | None, point: GridPoint, profile: bool) -> bool:
     if record is None or comparable(record.get("config", {})) != comparable(point.config.to_dict()):
         return False
-    return not profile or record.get("latency") is not None
+    return not profile or record.get("latency") is not None or bool(record.get("diverged"))
 
 
 # --- one point --------------------------------------------------------------------------------------------------
@@ -528,16 +528,20 @@ def sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
             point_started = time.perf_counter()
             if _needs_training(point):
                 trained.append(point.name)
-            record = {**planned_record(point), **train_point(point, config.verbose)}
+            try:
+                record = {**planned_record(point), **train_point(point, config.verbose)}
+            except TrainingDiverged as exc:  # a result of the grid (e.g. a learning rate too high for a size)
+                record = {**planned_record(point), "diverged": str(exc), "causal_loss": None, "latency": None}
             train_s = time.perf_counter() - point_started
-            record.update(evaluate_point(point, grid.eval))
-            record["eval_wall_s"] = time.perf_counter() - point_started - train_s
-            record["latency"] = None
-        if config.profile and record.get("latency") is None:
+            if not record.get("diverged"):
+                record.update(evaluate_point(point, grid.eval))
+                record["eval_wall_s"] = time.perf_counter() - point_started - train_s
+                record["latency"] = None
+        if config.profile and record.get("latency") is None and not record.get("diverged"):
             record["latency"] = profile_point(point, grid.profile)
         results[point.name] = record
         write_results(out, results)
-        eta.finished(point, train_s, record["flops"])
+        eta.finished(point, train_s, record.get("flops", 0.0))
         log(f"    {_one_line(record)}")
 
     runs = [results[p.name] for p in points]
@@ -574,6 +578,8 @@ def planned_record(point: GridPoint) -> dict[str, Any]:
 
 
 def _one_line(record: dict[str, Any]) -> str:
+    if record.get("diverged"):
+        return record["diverged"]
     text = (f"{record['steps']} steps, {record['flops']:.3g} FLOPs, causal val loss {record['causal_loss']:.4f} "
             f"({record['causal_mode']})")
     if record.get("reference_loss") is not None:
@@ -600,7 +606,7 @@ class ETA:
         self.runs_left -= 1
         elapsed = time.perf_counter() - self.started
         self.started = time.perf_counter()
-        if train_s > 0:
+        if train_s > 0 and flops > 0:
             self.train_s += train_s
             self.train_flops += flops
         self.other_s.append(elapsed - train_s)
@@ -643,7 +649,7 @@ def summary_rows(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]]) ->
             "parameters": f"{r['parameters']:,}", "steps": str(r.get("steps", r.get("planned_steps"))),
             "training FLOPs": f"{r['flops']:.3g}" if "flops" in r else "-",
             "causal val loss": (f"{r['causal_loss']:.4f}{' *' if r['name'] in winners else ''} ({r['causal_mode']})"
-                                if r.get("causal_loss") is not None else "-"),
+                                if r.get("causal_loss") is not None else "diverged" if r.get("diverged") else "-"),
             "non-causal (reference)": reference,
             "forward / dense": _ratio_text(latency.get("forward_ratio"), r["dense"]),
             "decode / dense": _ratio_text(latency.get("decode_ratio"), r["dense"]),

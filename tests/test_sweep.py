@@ -145,6 +145,27 @@ def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, 
     assert {r["name"]: r["causal_loss"] for r in again.runs} == pytest.approx(losses)
 
 
+def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path, corpus_file, monkeypatch):
+    import modcli.training
+    from modcli.errors import TrainingDiverged
+
+    real_train = modcli.training.train
+
+    def diverge_mod_runs(config, quiet=False):
+        if not config.model.dense:
+            raise TrainingDiverged("training diverged: the loss became nan at step 3")
+        return real_train(config, quiet)
+
+    monkeypatch.setattr(modcli.training, "train", diverge_mod_runs)
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    result = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "diverged" in result.stdout and "loss became nan at step 3" in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert records[1]["diverged"] and records[1]["causal_loss"] is None and records[0]["causal_loss"] > 0
+    assert (tmp_path / "out" / "isoflop.png").is_file()
+
+
 BAD_GRIDS = [
     (dict(extra='colour = "red"'), "unknown key(s) 'colour'"),
     (dict(variants='[[variant]]\nroutr = "topk"\n'), "unknown key 'routr'"),
