@@ -12,9 +12,9 @@ from modcli.commands.common import Json, stdout, user_errors
 
 @user_errors
 def sweep(
-    grid: Annotated[Path, typer.Argument(help="Grid TOML: budgets, [[size]], [[variant]], [common] flags.")],
+    grid: Annotated[Path, typer.Argument(help="Grid TOML: budgets, \\[\\[size]], \\[\\[variant]], \\[common] flags.")],
     out: Annotated[Optional[str], typer.Option(
-        help="Sweep folder (runs/, results.jsonl, isoflop.png, frontier.png); default sweeps/GRID-NAME.")] = None,
+        help="Sweep folder (runs/, results.jsonl, isoflop.png, frontier.png); default runs/sweeps/GRID-NAME.")] = None,
     profile: Annotated[bool, typer.Option(
         "--profile", help="Time each run's forward and decode against its dense twin (frontier.png).")] = False,
     device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or mps (overrides the grid).")] = None,
@@ -27,7 +27,7 @@ def sweep(
     from modcli.sweep import SweepConfig, best_per_budget, summary_rows
     from modcli.sweep import sweep as run_sweep
 
-    result = run_sweep(SweepConfig(grid=str(grid), out=out or str(Path("sweeps") / grid.stem), profile=profile,
+    result = run_sweep(SweepConfig(grid=str(grid), out=out or str(Path("runs") / "sweeps" / grid.stem), profile=profile,
                                    device=device, dtype=dtype, dry_run=dry_run, verbose=verbose))
     if json_output:
         import dataclasses
