@@ -64,6 +64,31 @@ class LayerKVCache:
             return self.keys[:, :, :span], self.values[:, :, :span], mask[:, None, None, :]
         return self.keys[rows, :, :span], self.values[rows, :, :span], mask[:, None, None, :]
 
+    def extend(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Several tokens for every row (keys (B, H, n, hd)) at each row's next n slots: the verify pass of
+        speculative decoding (dense layers only, where a row's slot is its position).
+
+        Returns the keys and values to attend to, (B, H, L, hd), and a boolean mask (B, 1, n, L): new token i of
+        row b sees the row's cached slots and new tokens 0..i.
+        """
+        batch, _, n, _ = keys.shape
+        self._ensure_slots(self.max_length + n)
+        slots = self.lengths[:, None] + torch.arange(n, device=keys.device)  # (B, n)
+        rows = torch.arange(batch, device=keys.device)[:, None].expand(batch, n)  # (B, n)
+        self.keys[rows, :, slots] = keys.transpose(1, 2).to(self.keys.dtype)  # (B, n, H, hd) into (B, H, slots, hd)
+        self.values[rows, :, slots] = values.transpose(1, 2).to(self.values.dtype)
+        self.lengths += n
+        self.max_length += n
+        span = self.max_length
+        mask = torch.arange(span, device=keys.device)[None, None, :] <= slots[:, :, None]  # (B, n, L)
+        return self.keys[:, :, :span], self.values[:, :, :span], mask[:, None]
+
+    def truncate(self, lengths: Tensor) -> None:
+        """Keep the first lengths[b] slots of each row (B,): the rest are forgotten and overwritten by later writes
+        (speculative decoding's rollback of rejected drafts)."""
+        self.lengths.copy_(torch.minimum(self.lengths, lengths))
+        self.max_length = int(self.lengths.max()) if self.lengths.numel() else 0
+
     @property
     def bytes_per_slot(self) -> int:
         """Bytes of K and V for one token of one sequence."""
@@ -98,6 +123,13 @@ class DecoderCache:
                 slots = max_tokens
             layers.append(LayerKVCache(batch, config.kv_heads, config.head_dim, slots, max_tokens, device, dtype))
         return cls(layers, torch.zeros(batch, dtype=torch.long, device=device), max_tokens)
+
+    def truncate(self, lengths: Tensor) -> None:
+        """Roll every sequence back to its first lengths[b] tokens (B,), in every layer (dense layers: a slot is a
+        position): speculative decoding's rollback past rejected drafts."""
+        for layer in self.layers:
+            layer.truncate(lengths)
+        self.positions.copy_(lengths)
 
     def stored_bytes(self) -> int:
         """K/V bytes of the tokens each layer really processed (filled slots)."""

@@ -10,6 +10,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from modcli.architectures import ARCHITECTURES
 from modcli.errors import UserError
 from modcli.routing.registry import ROUTERS
 
@@ -26,6 +27,10 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
                 "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts")
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 DTYPES = ("float32", "bfloat16", "float16")
+MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
+                      "threshold", "capacity_max", "route_part", "predictor_hidden")
+"""ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers."""
+EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "noop_experts")
 
 
 def require(ok: bool, message: str) -> None:
@@ -99,6 +104,15 @@ class ModelConfig:
     noop_experts: int = 0
     """--router integrated (integrated MoDE): no-op experts added to the MoE of the routed blocks; a token that
     chooses one skips the MLP."""
+    arch: str = "mod"
+    """Model family (modcli.architectures): mod (the MoD decoder, dense with route_every=0) or early-exit
+    (LayerSkip: dense blocks, layer dropout, an exit loss at every layer, exit decoding)."""
+    layer_dropout_max: float = 0.1
+    """--arch early-exit: training-time probability of skipping the last block for a whole sequence; block l of L
+    is skipped with probability layer_dropout_max x l / (L - 1), 0 for the first."""
+    exit_loss_scale: float = 0.5
+    """--arch early-exit: weight of the early-exit loss beside the final layer's loss (weight 1): the exits of
+    blocks 0..L-2, through the shared final norm and head, weighted (l + 1) / sum(j + 1), rising with depth."""
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 2, f"--vocab-size must be >= 2, got {self.vocab_size}")
@@ -116,6 +130,7 @@ class ModelConfig:
         require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
                 f"rope_scaling must be of rope_type llama3, got {self.rope_scaling!r}")
         require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
+        self._check_arch()
         require(0.0 < self.capacity <= 1.0, f"--capacity must be in (0, 1], got {self.capacity}")
         require(self.route_every >= 0, f"--route-every must be >= 0, got {self.route_every}")
         require(self.route_offset >= 0, f"--route-offset must be >= 0, got {self.route_offset}")
@@ -165,6 +180,38 @@ class ModelConfig:
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
 
+    def _check_arch(self) -> None:
+        """--arch and the options that belong to one family only; a family without MoD routers gets route_every 0
+        (its default, 2, means "not given" there) and refuses the routing and expert flags it cannot honour."""
+        require(self.arch in ARCHITECTURES,
+                f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
+        spec = ARCHITECTURES[self.arch]
+        defaults = {f.name: f.default for f in fields(self)}
+        for other in ARCHITECTURES.values():
+            for option in other.options:
+                require(other is spec or option in spec.options or getattr(self, option) == defaults[option],
+                        f"--{option.replace('_', '-')} is an option of --arch {other.name}, not of --arch {self.arch}")
+        if not spec.mod_routing:
+            for name in ("route_every", *MOD_ROUTING_FIELDS):
+                ok = getattr(self, name) == defaults[name] or (name == "route_every" and self.route_every == 0)
+                require(ok, f"--{name.replace('_', '-')} is a Mixture-of-Depths option: --arch {self.arch} has no "
+                            "routed blocks")
+            self.route_every = 0
+        if not spec.experts:
+            for name in EXPERT_FIELDS:
+                require(getattr(self, name) == defaults[name],
+                        f"--{name.replace('_', '-')}: --arch {self.arch} has dense MLPs (no experts)")
+        require(0.0 <= self.layer_dropout_max < 1.0,
+                f"--layer-dropout-max must be in [0, 1), got {self.layer_dropout_max}")
+        require(self.exit_loss_scale >= 0, f"--exit-loss-scale must be >= 0, got {self.exit_loss_scale}")
+
+    def layer_dropout(self, layer: int) -> float:
+        """--arch early-exit: the probability that training skips block `layer` for a whole sequence (0 for every
+        other family): linear in depth, 0 for the first block and layer_dropout_max for the last."""
+        if "layer_dropout_max" not in ARCHITECTURES[self.arch].options or self.n_layers == 1:
+            return 0.0
+        return self.layer_dropout_max * layer / (self.n_layers - 1)
+
     @property
     def head_dim(self) -> int:
         return self.head_size or self.d_model // self.n_heads
@@ -186,7 +233,9 @@ class ModelConfig:
 
     @property
     def kind(self) -> str:
-        """What the model is, in words: dense, MoE, MoD, staged MoDE or integrated MoDE."""
+        """What the model is, in words: dense, MoE, MoD, staged MoDE, integrated MoDE or early exit."""
+        if self.arch == "early-exit":
+            return f"early exit (layer dropout {self.layer_dropout_max:g}, exit loss {self.exit_loss_scale:g})"
         moe = f"E={self.experts}, top-{self.expert_top_k}"
         if self.router == INTEGRATED and self.noop_layers():
             return f"integrated MoDE ({moe}, {self.noop_experts} no-op)"
@@ -238,9 +287,13 @@ class ModelConfig:
 
     def dense_twin(self) -> ModelConfig:
         """The same shape with routing switched off: no MoD router, no no-op experts; an MoE MLP stays an MoE MLP
-        (`train --dense --experts 4` is MoE alone)."""
+        (`train --dense --experts 4` is MoE alone). Another family's twin is the plain MoD decoder without routing
+        (early exit: the same blocks without layer dropout, exit loss or exit decoding)."""
         router = "topk" if self.router == INTEGRATED else self.router
-        return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0)
+        defaults = {f.name: f.default for f in fields(self)}
+        family = {option: defaults[option] for spec in ARCHITECTURES.values() for option in spec.options}
+        return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0, arch="mod",
+                                   **family)
 
     def dense_mlp_twin(self) -> ModelConfig:
         """The fully dense model of the same shape: no routing and the dense SwiGLU MLP instead of experts."""

@@ -74,16 +74,20 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, tr
     out = FlopBreakdown()
     for layer in range(config.n_layers):
         n, n_mlp = block_tokens(config, layer, seq_len)
-        out.attention_proj += 2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d  # qkv and output
-        out.attention_scores += 2 * 2 * n * n * q_width  # q k^T and (scores) v, over all query heads
+        # --arch early-exit: training skips the block for a sequence with probability p (the expected count)
+        kept = 1.0 - config.layer_dropout(layer) if training else 1.0
+        out.attention_proj += round(kept * (2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d))
+        out.attention_scores += round(kept * 2 * 2 * n * n * q_width)  # q k^T and (scores) v, over all query heads
         mlp, gate = mlp_flops(config, layer, n_mlp, training)
-        out.mlp += mlp
+        out.mlp += round(kept * mlp)
         out.router += gate
         if config.is_routed(layer):
             router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
             out.router += router
             out.predictor += predictor
     out.head += 2 * seq_len * d * config.vocab_size
+    if training and config.arch == "early-exit" and config.exit_loss_scale > 0:  # an exit after every block
+        out.head += (config.n_layers - 1) * 2 * seq_len * d * config.vocab_size
     return out
 
 

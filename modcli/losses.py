@@ -47,11 +47,37 @@ def routing_agreement(records: list[RoutingRecord]) -> dict[str, dict[str, dict[
     return {f"block{record.layer}": record.router.metrics(record) for record in records}
 
 
+def _unwrapped(model):
+    module = getattr(model, "module", getattr(model, "_orig_mod", model))  # DDP / torch.compile wrappers
+    return getattr(module, "_orig_mod", module)
+
+
+def early_exit_losses(model, targets: Tensor) -> tuple[Tensor, Callable[[], dict[str, float]] | None]:
+    """The early-exit loss of the model's last training forward (`--arch early-exit`, modcli.early_exit): the
+    cross-entropy of the exit after each block but the last (through the shared final norm and head) against
+    `targets` (B, T), weighted by `exit_loss_weights` (rising with depth, summing to 1) and scaled by
+    --exit-loss-scale; 0 for a model that stored no exits. And, for metrics, a function of no arguments that reads
+    each exit's loss (one device sync when called)."""
+    module = _unwrapped(model)
+    exit_logits = getattr(module, "exit_logits", None)  # (L-1, B, T, V)
+    if exit_logits is None:
+        return torch.zeros(()), None
+    exits = exit_logits.shape[0]
+    per_token = F.cross_entropy(exit_logits.float().flatten(0, 2), targets.repeat(exits, 1, 1).flatten(),
+                                reduction="none")  # (L-1 x B x T,)
+    per_exit = per_token.view(exits, -1).mean(dim=1)  # (L-1,)
+    loss = module.config.exit_loss_scale * (module.exit_loss_weights.to(per_exit) * per_exit).sum()
+
+    def read() -> dict[str, float]:
+        return {f"block{layer}": round(value, 4) for layer, value in enumerate(per_exit.detach().tolist())}
+
+    return loss, read
+
+
 def expert_losses(model) -> tuple[Tensor, Callable[[], dict[str, dict]] | None]:
     """The MoE load-balancing loss of the model's last forward pass (mean over MoE blocks; 0 without experts) and,
     for metrics, a function of no arguments that reads each block's statistics (one device sync when called)."""
-    module = getattr(model, "module", getattr(model, "_orig_mod", model))  # DDP / torch.compile wrappers
-    module = getattr(module, "_orig_mod", module)
+    module = _unwrapped(model)
     blocks = [(layer, block.mlp.stats) for layer, block in enumerate(module.blocks)
               if getattr(block.mlp, "stats", None) is not None]
     if not blocks:
