@@ -134,6 +134,7 @@ def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state
         trash = run_dir / f".trash-{stale.name}-{os.getpid()}"
         try:
             os.replace(stale, trash)  # a kill while deleting must not leave a half-deleted "complete" folder
+            _pause()
             shutil.rmtree(trash)
         except OSError:
             pass  # pruning is tidying; the new checkpoint is saved
@@ -481,6 +482,17 @@ def read_optimizer_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
+def check_weights_file(checkpoint: Path, config: ModelConfig) -> None:
+    """model.safetensors is intact (size and sha256 of its marker, a whole header) and holds at least the parameters
+    `config` implies; run before building the model, so an absurd config.json allocates nothing."""
+    weights = verify_file(checkpoint, "model.safetensors")
+    stored = sum(math.prod(shape) for shape in safetensors_shapes(weights).values())
+    least = minimum_parameters(config)
+    if least > stored:
+        raise UserError(f"{checkpoint / 'config.json'} describes a model of at least {least:,} parameters but {weights} "
+                        f"holds {stored:,}: they do not belong together")
+
+
 def load_model_from(path: str | Path, device: str | torch.device = "cpu") -> tuple[MoDDecoder, RunConfig, Path]:
     """Load a run or checkpoint folder: (model in eval mode, its run config, the checkpoint folder).
 
@@ -489,11 +501,7 @@ def load_model_from(path: str | Path, device: str | torch.device = "cpu") -> tup
     """
     checkpoint = resolve_checkpoint(path)
     config = read_config(checkpoint)
-    weights = verify_file(checkpoint, "model.safetensors")
-    stored = sum(math.prod(shape) for shape in safetensors_shapes(weights).values())
-    if minimum_parameters(config.model) > stored:
-        raise UserError(f"{checkpoint / 'config.json'} describes a model of at least {minimum_parameters(config.model):,} "
-                        f"parameters but {weights} holds {stored:,}: they do not belong together")
+    check_weights_file(checkpoint, config.model)
     model = build_model(config.model)
     load_weights(model, checkpoint)
     return model.to(device).eval(), config, checkpoint

@@ -27,6 +27,7 @@ from modcli import distributed
 from modcli.checkpoint import (
     build_model,
     check_config_values,
+    check_weights_file,
     clean_stale,
     complete_checkpoints,
     load_model_from,
@@ -293,6 +294,8 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     tokenizer = _run_tokenizer(config, init, context)
     corpus = load_corpus(config.data, mc.seq_len, tokenizer)
     seed_everything(tc.seed)  # identical initial weights on every rank
+    if tc.resume:
+        _loading(lambda checkpoint: check_weights_file(checkpoint, mc), existing[-1], existing)
     model = build_model(mc)
     resume_state = optimizer_state = None
     init_val_loss = None

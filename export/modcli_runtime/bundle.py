@@ -46,10 +46,34 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise BundleError(f"{manifest_path}: unreadable manifest ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise BundleError(f"{manifest_path}: not a {FORMAT} manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise BundleError(f"{manifest_path}: format version {manifest.get('format_version')} is newer than this "
-                          f"runtime ({FORMAT_VERSION}); upgrade modcli_runtime")
+    version = manifest.get("format_version", 0)
+    if not isinstance(version, int):
+        raise BundleError(f"{manifest_path}: format_version must be an integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise BundleError(f"{manifest_path}: format version {version} is newer than this runtime ({FORMAT_VERSION}); "
+                          "upgrade modcli_runtime")
+    _check_manifest(manifest, manifest_path)
     return manifest
+
+
+def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
+    """The fields the runtime reads have their types; a manifest edited into something else is a BundleError."""
+    model, graphs, files = manifest.get("model"), manifest.get("graphs"), manifest.get("files", {})
+    if not isinstance(model, dict) or not all(isinstance(model.get(key), int) and not isinstance(model.get(key), bool)
+                                              and model.get(key) > 0 for key in ("vocab_size", "seq_len")):
+        raise BundleError(f"{path} is damaged: model.vocab_size and model.seq_len must be positive integers")
+    if not isinstance(graphs, dict) or not all(isinstance(info, dict) for info in graphs.values()):
+        raise BundleError(f"{path} is damaged: graphs must be an object of graph descriptions")
+    if not isinstance(files, dict) or not all(isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                                              for entry in files.values()):
+        raise BundleError(f"{path} is damaged: files must map each file to its sha256")
+    decode = graphs.get("decode")
+    if decode is not None:
+        try:
+            CacheSpec.from_manifest(decode)
+            [spec["name"] for spec in decode["inputs"]] + [spec["name"] for spec in decode["outputs"]]
+        except (KeyError, TypeError, ValueError):
+            raise BundleError(f"{path} is damaged: the decode graph's cache, inputs or outputs are incomplete") from None
 
 
 def session_providers(provider: str) -> list[str]:
@@ -175,7 +199,11 @@ class Bundle:
             file = self.path / name
             if not file.is_file():
                 raise BundleError(f"{self.path}: {name} is missing")
-            if sha256_of(file) != entry["sha256"]:
+            try:
+                digest = sha256_of(file)
+            except OSError as exc:
+                raise BundleError(f"{self.path}: cannot read {name}: {exc.strerror or exc}") from None
+            if digest != entry["sha256"]:
                 raise BundleError(f"{self.path}: {name} does not match its sha256 in manifest.json (damaged bundle)")
 
     def session(self, graph: str):

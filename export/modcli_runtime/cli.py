@@ -10,8 +10,16 @@ from modcli_runtime.bundle import PROVIDERS, BundleError, load_bundle
 from modcli_runtime.generate import Utf8Stream
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A flag that does not parse is one line on stderr and exit code 2, like every other mistake."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="modcli-run", description="Generate text from a `modcli export` bundle "
+    p = OneLineParser(prog="modcli-run", description="Generate text from a `modcli export` bundle "
                                 "(numpy + onnxruntime; causal routing with a KV cache).")
     p.add_argument("bundle", help="Bundle folder written by `modcli export`.")
     p.add_argument("--prompt", action="append", help="Prompt text (repeat for a batch; default 'def ').")
@@ -38,15 +46,15 @@ def main(argv: list[str] | None = None) -> None:
         if not args.json and len(prompts) == 1:
             sys.stdout.write(prompts[0])
             stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), bundle.text)
-        longest = max(len(bundle.text.encode(p)) for p in prompts) + args.max_new_tokens
-        if longest > int(bundle.model["seq_len"]) and not args.json:
-            print(f"note: {longest} tokens exceed the training context of {bundle.model['seq_len']}; positions "
-                  "beyond it were never trained", file=sys.stderr)
         result = bundle.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=stream)
     except BundleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
         raise SystemExit(exc.exit_code) from None
+    longest = max(len(bundle.text.encode(p)) for p in prompts) + args.max_new_tokens
+    if longest > int(bundle.model["seq_len"]) and not args.json:
+        print(f"note: {longest} tokens exceeded the training context of {bundle.model['seq_len']}; positions "
+              "beyond it were never trained", file=sys.stderr)
     if args.json:
         print(json.dumps({"texts": result.texts, "tokens": result.tokens, "steps": result.steps,
                           "first_token_s": result.first_token_s, "total_s": result.total_s,

@@ -10,6 +10,7 @@ different lengths share one batch.
 from __future__ import annotations
 
 import codecs
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,13 @@ def sampling_uniforms(seed: int, max_new_tokens: int, batch: int) -> np.ndarray:
     `modcli generate` uses this same array, so both pick the same tokens for the same --seed. It is indexed by
     new-token number, not by step: here prompts of different lengths reach their i-th token at different steps.
     """
-    return np.random.default_rng(seed).random((max_new_tokens, batch))
+    if seed < 0:
+        raise BundleError(f"--seed must be >= 0, got {seed}")
+    try:
+        return np.random.default_rng(seed).random((max_new_tokens, batch))
+    except MemoryError:
+        raise BundleError(f"--max-new-tokens {max_new_tokens}: not enough memory for the sampler's random "
+                          "numbers") from None
 
 
 def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
@@ -142,13 +149,18 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
         raise BundleError("--prompt: give at least one prompt")
     if max_new_tokens < 1:
         raise BundleError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise BundleError("--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    if not (math.isfinite(temperature) and temperature >= 0) or top_k < 0 or not 0 < top_p <= 1:
+        raise BundleError(f"--temperature must be a finite number >= 0 (got {temperature}), --top-k >= 0 (got "
+                          f"{top_k}) and --top-p in (0, 1] (got {top_p})")
     encoded = [encode_prompt(p, vocab_size, text) for p in prompts]
     batch = len(encoded)
     lengths = np.array([len(p) for p in encoded])
     steps = int(lengths.max()) + max_new_tokens - 1  # the last sampled token is never fed
-    feeds = cache_spec.allocate(batch, steps)
+    try:
+        feeds = cache_spec.allocate(batch, steps)
+    except (MemoryError, ValueError):
+        raise BundleError(f"--max-new-tokens {max_new_tokens}: not enough memory for a KV cache of {steps} "
+                          "tokens") from None
     uniforms = sampling_uniforms(seed, max_new_tokens, batch)  # (N, B)
     new_tokens: list[list[int]] = [[] for _ in encoded]
     kept_logits: list[list[np.ndarray]] = [[] for _ in encoded]

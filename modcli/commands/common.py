@@ -55,12 +55,21 @@ def user_errors(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except ReportedError as exc:
+        except Exception as exc:
+            if not _reported(exc):
+                raise
             if is_main_process():  # under torchrun every rank fails alike; one message is enough
                 print_error(str(exc))
             raise typer.Exit(exc.exit_code) from None
 
     return wrapper
+
+
+def _reported(exc: Exception) -> bool:
+    """modcli's ReportedErrors, and the PyTorch-free runtime's BundleError (exit 2), which `modcli generate` and
+    `modcli profile --onnx` meet through the code they share with it."""
+    return isinstance(exc, ReportedError) or (type(exc).__name__ == "BundleError"
+                                              and type(exc).__module__.startswith("modcli_runtime"))
 
 
 def print_error(message: str) -> None:
