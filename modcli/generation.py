@@ -47,6 +47,13 @@ class GenerateConfig:
     """Autocast dtype; the KV cache is kept in this dtype."""
     compile: bool = False
     """torch.compile the attention and MLP of each block (dynamic shapes)."""
+    exit_threshold: float | None = None
+    """Early-exit models: each new token leaves the blocks at the first exit whose top probability reaches this
+    (modcli.early_exit; 1.0 = the full model); None = full depth."""
+    speculative: int | None = None
+    """Early-exit models: self-speculative decoding, drafting with the first E blocks (greedy only); None = off."""
+    draft_tokens: int = 4
+    """--speculative: tokens drafted per round."""
 
     def __post_init__(self) -> None:
         require(bool(self.prompts), "--prompt: give at least one prompt")
@@ -55,6 +62,15 @@ class GenerateConfig:
         require(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
         require(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
         require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
+        require(self.exit_threshold is None or 0 < self.exit_threshold <= 1,
+                f"--exit-threshold must be in (0, 1], got {self.exit_threshold}")
+        require(self.speculative is None or self.speculative >= 1,
+                f"--speculative must be >= 1 (draft blocks), got {self.speculative}")
+        require(self.draft_tokens >= 1, f"--draft-tokens must be >= 1, got {self.draft_tokens}")
+        require(self.speculative is None or self.exit_threshold is None,
+                "give --exit-threshold or --speculative, not both")
+        require(self.speculative is None or self.temperature == 0,
+                "--speculative decodes greedily (its output is the full model's greedy output): pass --temperature 0")
 
 
 @dataclass
@@ -77,6 +93,16 @@ class GenerateResult:
     dense_kv_cache_allocated_bytes: int
     """What a dense model of the same shape would allocate for the same generation."""
     routing: str
+    decoding: str = "full"
+    """full (every block), confidence (--exit-threshold) or speculative (--speculative), with its settings."""
+    acceptance_rate: float | None = None
+    """--speculative: the share of drafted tokens the full model accepted."""
+    tokens_per_round: float | None = None
+    """--speculative: new tokens per draft-and-verify round (accepted drafts + the full model's own), per row."""
+    mean_exit_block: float | None = None
+    """--exit-threshold: blocks run per decoded token, on average (the model's depth = no exit)."""
+    exit_blocks: dict[str, int] | None = None
+    """--exit-threshold: decoded tokens per exit block (the last block = the full depth)."""
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, uniforms: Tensor | None) -> Tensor:
@@ -130,6 +156,12 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     tokenizer = tokenizer or ByteTokenizer()
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
     model.check_routing(routing, causal=True)
+    exits = config.exit_threshold is not None or config.speculative is not None
+    if exits:
+        from modcli.early_exit import ExitStats, check_exit_decoding, speculative_decode
+        check_exit_decoding(model, config.exit_threshold, config.speculative)
+        stats = ExitStats(f"confidence (exit at top probability >= {config.exit_threshold:g})"
+                          if config.exit_threshold is not None else "")
     if config.compile:
         for block in model.blocks:
             block.mlp = torch.compile(block.mlp, dynamic=True)
@@ -142,7 +174,8 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     if max_tokens > model.config.seq_len and on_bytes is not None:
         stderr_console.print(f"[yellow]note: {max_tokens} tokens exceed the training context of "
                              f"{model.config.seq_len}; positions beyond it were never trained[/]")
-    cache = DecoderCache.allocate(model.config, batch, max_tokens, device, TORCH_DTYPES[config.dtype])
+    spare = config.draft_tokens + 1 if config.speculative else 0  # a round's drafts may run past the last token
+    cache = DecoderCache.allocate(model.config, batch, max_tokens + spare, device, TORCH_DTYPES[config.dtype])
     uniforms = None
     if config.temperature > 0:  # the runtime's stream, moved to the device once: (N, B)
         uniforms = torch.from_numpy(sampling_uniforms(config.seed, config.max_new_tokens, batch))
@@ -157,7 +190,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     prefill_s = time.perf_counter() - start
     streams = [TextPieces(tokenizer) for _ in prompts]
     start = time.perf_counter()
-    for step in range(config.max_new_tokens):
+    for step in range(config.max_new_tokens if not config.speculative else 0):
         step_uniforms = uniforms[step] if uniforms is not None else None
         next_tokens = sample(logits, config.temperature, config.top_k, config.top_p, step_uniforms)  # (B,)
         new_tokens[step] = next_tokens
@@ -167,8 +200,19 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         if step + 1 == config.max_new_tokens:
             break
         with autocast(device, config.dtype):
-            logits = model.decode_step(next_tokens, cache, routing).float()
+            if config.exit_threshold is not None:
+                logits, exit_block = model.decode_step_exit(next_tokens, cache, config.exit_threshold)
+                logits = logits.float()
+                for block in exit_block.tolist():
+                    stats.exit_layers[f"block{block}"] = stats.exit_layers.get(f"block{block}", 0) + 1
+            else:
+                logits = model.decode_step(next_tokens, cache, routing).float()
     outputs = new_tokens.T.tolist()  # (B, N)
+    if config.speculative:
+        on_token = None if on_bytes is None else (lambda row, token: on_bytes(row, streams[row](token)))
+        with autocast(device, config.dtype):
+            outputs, stats = speculative_decode(model, logits, cache, config.max_new_tokens, config.speculative,
+                                                config.draft_tokens, on_token)
     _sync(device)
     decode_s = time.perf_counter() - start
 
@@ -181,7 +225,16 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         tokens_per_s=batch * config.max_new_tokens / max(prefill_s + decode_s, 1e-9),
         processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
         kv_cache_allocated_bytes=cache.allocated_bytes(), dense_kv_cache_bytes=cache.dense_equivalent_bytes(),
-        dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing)
+        dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing,
+        **(_exit_fields(stats, batch) if exits else {}))
+
+
+def _exit_fields(stats, batch: int) -> dict:
+    """GenerateResult's fields of decoding with exits (modcli.early_exit.ExitStats)."""
+    return dict(decoding=stats.decoding, acceptance_rate=stats.acceptance_rate,
+                tokens_per_round=None if not stats.rounds else
+                (stats.accepted + batch * stats.rounds) / (batch * stats.rounds),
+                mean_exit_block=stats.mean_exit_block, exit_blocks=dict(sorted(stats.exit_layers.items())) or None)
 
 
 def _sync(device: torch.device) -> None:

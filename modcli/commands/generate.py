@@ -28,6 +28,13 @@ def generate(
     device: Device = "auto",
     dtype: Dtype = "float32",
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile attention and MLP.")] = False,
+    exit_threshold: Annotated[Optional[float], typer.Option(
+        help="Early-exit models: leave the blocks at the first exit whose top probability reaches P (1 = full "
+             "depth).")] = None,
+    speculative: Annotated[Optional[int], typer.Option(
+        help="Early-exit models: self-speculative decoding, drafting with the first E blocks (needs --temperature "
+             "0).")] = None,
+    draft_tokens: Annotated[int, typer.Option(help="--speculative: tokens drafted per round.")] = 4,
     json_output: Json = False,
 ) -> None:
     """Generate text with causal routing and a KV cache holding only the tokens each block processed."""
@@ -36,7 +43,8 @@ def generate(
 
     config = GenerateConfig(checkpoint=checkpoint, prompts=prompt or ["def "], max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, routing=routing,
-                            device=device, dtype=dtype, compile=compile)
+                            device=device, dtype=dtype, compile=compile, exit_threshold=exit_threshold,
+                            speculative=speculative, draft_tokens=draft_tokens)
     stream = None
     if not json_output and len(config.prompts) == 1:
         stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), prefix=config.prompts[0])
@@ -54,7 +62,17 @@ def generate(
     fractions = " ".join(f"{k}={v:.3f}" for k, v in result.processed_fraction.items()) or "dense"
     stderr.print(f"{result.new_tokens} tokens, {result.tokens_per_s:.1f} tokens/s (prefill {result.prefill_s:.3f}s, "
                  f"decode {result.decode_s:.3f}s), routing {result.routing}, processed {fractions}, "
-                 f"{kv_cache_summary(result)}", highlight=False, soft_wrap=True)
+                 f"{kv_cache_summary(result)}{exit_summary(result)}", highlight=False, soft_wrap=True)
+
+
+def exit_summary(result: GenerateResult) -> str:
+    """Decoding with exits: the acceptance rate of self-speculative decoding, or the blocks a token ran."""
+    if result.acceptance_rate is not None:
+        return (f"; {result.decoding}: acceptance rate {result.acceptance_rate:.1%}, {result.tokens_per_round:.2f} "
+                "tokens per round")
+    if result.mean_exit_block is not None:
+        return f"; {result.decoding}: {result.mean_exit_block:.2f} blocks per token on average"
+    return ""
 
 
 def kv_cache_summary(result: GenerateResult) -> str:
