@@ -419,10 +419,13 @@ def check_fits_in_memory(config: ModelConfig, bytes_per_parameter: int = 4) -> N
 
 
 def build_model(config: ModelConfig) -> MoDDecoder:
-    """A freshly initialised model on the CPU; one that cannot be allocated is a UserError, not a traceback."""
+    """A freshly initialised model of the config's family (--arch, modcli.architectures) on the CPU; one that cannot
+    be allocated is a UserError, not a traceback."""
+    from modcli.architectures import model_class
+
     check_fits_in_memory(config)
     try:
-        return MoDDecoder(config)
+        return model_class(config.arch)(config)
     except (MemoryError, torch.OutOfMemoryError) as exc:
         raise UserError(f"the model does not fit in memory ({_one_line(exc)})") from None
     except RuntimeError as exc:

@@ -43,7 +43,7 @@ from modcli.data import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.distributed import DistributedContext
 from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.flops import training_flops
-from modcli.losses import bits_per_byte, expert_losses, lm_loss, routing_agreement, routing_losses
+from modcli.losses import bits_per_byte, early_exit_losses, expert_losses, lm_loss, routing_agreement, routing_losses
 from modcli.model import MoDDecoder
 from modcli.reporting import MetricsLog, StepProgress, stderr_console
 from modcli.run_lock import RunLock, run_lock_path
@@ -458,8 +458,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
     modes = validation_modes(run.model)
     metrics = MetricsLog(run_dir, resume_step=run.step if tc.resume else None) if context.is_main else None
     if not quiet:
-        kind = "dense" if mc.dense else (f"MoD, {mc.router} router, capacity {mc.capacity} on blocks "
-                                         f"{mc.routed_layers()}")
+        kind = (mc.kind if mc.arch != "mod" else "dense" if mc.dense
+                else f"MoD, {mc.router} router, capacity {mc.capacity} on blocks {mc.routed_layers()}")
         parallel = f", {context.world_size} ranks ({tc.parallel})" if context.enabled else ""
         stderr_console.print(
             f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
@@ -521,8 +521,9 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                         loss = loss * float("nan")
                     router_aux, predictor_aux = routing_losses(records)
                     expert_aux, expert_stats = expert_losses(run.wrapped)
+                    exit_aux, exit_stats = early_exit_losses(run.wrapped, targets)
                     total = (loss + tc.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
-                             + tc.expert_aux_weight * expert_aux.to(device))
+                             + tc.expert_aux_weight * expert_aux.to(device) + exit_aux.to(device))
                 scaler.scale(total / tc.grad_accum).backward()
                 loss_sum += loss.detach()
             train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
@@ -561,6 +562,10 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                 record["expert_aux_loss"] = expert_aux.item()
                 if run.step % tc.log_every == 0 or last_step:
                     record["experts"] = expert_stats()
+            if exit_stats is not None:
+                record["exit_loss"] = exit_aux.item()
+                if run.step % tc.log_every == 0 or last_step:
+                    record["exit_losses"] = exit_stats()
             if evaluate_now:
                 validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)

@@ -45,6 +45,13 @@ ExpertCapacityFactor = Annotated[Optional[float], typer.Option(
 NoopExperts = Annotated[Optional[int], typer.Option(
     help="--router integrated (integrated MoDE): no-op experts in the routed blocks' MoE.")]
 PredictorHidden = Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")]
+Arch = Annotated[Optional[str], typer.Option(
+    help="Model family: mod (Mixture-of-Depths, default; dense with --dense) or early-exit (LayerSkip).")]
+LayerDropoutMax = Annotated[Optional[float], typer.Option(
+    help="--arch early-exit: layer dropout of the last block, rising linearly from 0 at the first (default 0.1).")]
+ExitLossScale = Annotated[Optional[float], typer.Option(
+    help="--arch early-exit: weight of the exit losses (per block, rising with depth) beside the final loss "
+         "(default 0.5).")]
 
 
 def user_errors(command):

@@ -9,12 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from modcli.commands.common import (
+    Arch,
     Capacity,
     CapacityMax,
+    ExitLossScale,
     ExpertCapacityFactor,
     Experts,
     ExpertTopK,
     Json,
+    LayerDropoutMax,
     NoopExperts,
     PredictorHidden,
     RouteEvery,
@@ -58,6 +61,9 @@ def train(
     expert_top_k: ExpertTopK = None,
     expert_capacity_factor: ExpertCapacityFactor = None,
     noop_experts: NoopExperts = None,
+    arch: Arch = None,
+    layer_dropout_max: LayerDropoutMax = None,
+    exit_loss_scale: ExitLossScale = None,
     dropout: Annotated[Optional[float], typer.Option(help="Dropout on attention and block deltas (training).")] = None,
     dense: Annotated[Optional[bool], typer.Option("--dense", help="Train the dense twin (routing off).")] = None,
     d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
