@@ -45,11 +45,12 @@ from typing import Any
 
 import torch
 
+from modcli.architectures import model_class
 from modcli.cache import DecoderCache
 from modcli.config import DEVICES, DTYPES, ModelConfig, TrainConfig, require
 from modcli.errors import UserError
 from modcli.flops import counted_flops, flops, training_flops
-from modcli.losses import expert_losses, lm_loss, routing_losses
+from modcli.losses import early_exit_losses, expert_losses, lm_loss, routing_losses
 from modcli.model import MoDDecoder
 from modcli.reporting import stderr_console
 from modcli.runtime import TORCH_DTYPES, autocast, device_name, resolve_device, seed_everything
@@ -342,7 +343,7 @@ def _load_subject(config: ProfileConfig, device: torch.device) -> tuple[MoDDecod
         return model, _info(model, str(checkpoint), calibrated=False)
     model_config = config.model or ModelConfig()
     seed_everything(config.seed)
-    model = MoDDecoder(model_config).to(device).eval()
+    model = model_class(model_config.arch)(model_config).to(device).eval()
     return model, _info(model, "config", calibrated=not model_config.dense)  # unless the router has nothing to shift
 
 
@@ -354,7 +355,7 @@ def _load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
         mc = model.config
         if config.compare == "dense":
             twin_config, what = mc.dense_mlp_twin(), "dense twin"
-            if mc.dense and not mc.experts:
+            if twin_config == mc:
                 raise UserError(f"--compare dense: {info.source} is already dense; compare it with a checkpoint or "
                                 "none")
         else:
@@ -364,7 +365,7 @@ def _load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
             if not mc.routed_layers() and not mc.noop_layers():
                 raise UserError(f"--compare moe: {info.source} is already MoE without MoD; compare it with dense")
         seed_everything(config.seed)
-        twin = MoDDecoder(twin_config).to(device).eval()
+        twin = model_class(twin_config.arch)(twin_config).to(device).eval()
         return twin, _info(twin, f"{what} of {info.source}", calibrated=False)
     from modcli.checkpoint import load_model_from
 
@@ -451,7 +452,8 @@ def train_call(model: MoDDecoder, step_model, tokens: torch.Tensor, device: torc
             loss = lm_loss(logits, targets)
             router_aux, predictor_aux = routing_losses(records)
             total = (loss + train_config.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
-                     + train_config.expert_aux_weight * expert_losses(step_model)[0].to(device))
+                     + train_config.expert_aux_weight * expert_losses(step_model)[0].to(device)
+                     + early_exit_losses(step_model, targets)[0].to(device))
         scaler.scale(total).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
@@ -615,8 +617,9 @@ def _forward_backward(model: MoDDecoder, tokens: torch.Tensor, device: torch.dev
     with autocast(device, dtype):
         logits, records = model(tokens, return_records=True)
         router_aux, predictor_aux = routing_losses(records)
-        total = (lm_loss(logits, tokens.roll(-1, dims=1)) + router_aux.to(device) + predictor_aux.to(device)
-                 + expert_losses(model)[0].to(device))
+        targets = tokens.roll(-1, dims=1)
+        total = (lm_loss(logits, targets) + router_aux.to(device) + predictor_aux.to(device)
+                 + expert_losses(model)[0].to(device) + early_exit_losses(model, targets)[0].to(device))
     total.backward()
 
 
@@ -692,7 +695,7 @@ def memory_child() -> None:
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     model_config = ModelConfig(**spec["model"])
-    model = MoDDecoder(model_config)
+    model = model_class(model_config.arch)(model_config)
     from safetensors.torch import load_model
 
     load_model(model, spec["weights"])

@@ -9,14 +9,17 @@ from typing import Annotated, Optional
 import typer
 
 from modcli.commands.common import (
+    Arch,
     Capacity,
     CapacityMax,
+    Device,
+    Dtype,
+    ExitLossScale,
     ExpertCapacityFactor,
     Experts,
     ExpertTopK,
-    Device,
-    Dtype,
     Json,
+    LayerDropoutMax,
     NoopExperts,
     PredictorHidden,
     RouteEvery,
@@ -63,6 +66,9 @@ def profile(
     expert_top_k: ExpertTopK = None,
     expert_capacity_factor: ExpertCapacityFactor = None,
     noop_experts: NoopExperts = None,
+    arch: Arch = None,
+    layer_dropout_max: LayerDropoutMax = None,
+    exit_loss_scale: ExitLossScale = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to profile (default: the model's).")] = None,
     seq_lens: Annotated[Optional[str], typer.Option(help="Sweep, comma-separated, e.g. 256,512,1024,2048.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per call.")] = 8,
@@ -92,7 +98,8 @@ def profile(
         capacity=capacity, route_every=route_every, route_offset=route_offset, route_layers=route_layers, router=router,
         router_weight=router_weight, router_hidden=router_hidden, threshold=threshold, capacity_max=capacity_max,
         route_part=route_part, predictor_hidden=predictor_hidden, experts=experts, expert_top_k=expert_top_k,
-        expert_capacity_factor=expert_capacity_factor, noop_experts=noop_experts).items() if v is not None}
+        expert_capacity_factor=expert_capacity_factor, noop_experts=noop_experts, arch=arch,
+        layer_dropout_max=layer_dropout_max, exit_loss_scale=exit_loss_scale).items() if v is not None}
     model = None
     if checkpoint is None or model_flags or preset or config:
         from modcli.config import resolve_run_config
@@ -134,11 +141,15 @@ def tables(result) -> list:
 def _table(result, r):
     from rich.table import Table
 
+    from modcli.architectures import architecture
     from modcli.reporting import human
 
     compared = result.baseline is not None
     m, b = r.model, r.baseline
     caption = [f"causal routing of prefill and decode: {result.routing}"] if m.decode else []
+    if m.decode and architecture(result.model.config.get("arch", "mod")).exit_decoding:
+        caption.append("decode step at full depth (no exit): modcli generate --exit-threshold / --speculative "
+                       "measure decoding with exits")
     if result.model.routers_calibrated:
         caption.append(f"untrained routers calibrated at T = {r.seq_len} on separate tokens ({result.routing} rule) "
                        f"to process {result.model.capacity:g} of the tokens")
