@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modcli.architectures import architecture
 from modcli.checkpoint import load_model_from
 from modcli.config import DataConfig, require
 from modcli.data import evaluation_batches, load_corpus
@@ -72,6 +73,9 @@ class EvalResult:
     """The router kind (None for a dense model)."""
     kind: str = ""
     """The model family in words (ModelConfig.kind): dense, MoD ..., MoE ..., staged MoDE ..., integrated MoDE ..."""
+    exit_losses: dict[str, float] = field(default_factory=dict)
+    """Early-exit models: the loss (nats/token) of the exit after each block, through the shared final norm and head,
+    on the same windows (causal; the last block's is the model's loss)."""
 
 
 @torch.no_grad()
@@ -89,6 +93,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
     else:
         modes = list(config.routing) or list(model.routing_modes())
     caps = model.capabilities
+    exits = architecture(run_config.model.arch).exit_decoding
+    exit_totals = [0.0] * run_config.model.n_layers
 
     totals = {mode: 0.0 for mode in modes}
     processed = {mode: {} for mode in modes}
@@ -111,6 +117,11 @@ def evaluate(config: EvalConfig) -> EvalResult:
                 processed[mode][key] = processed[mode].get(key, 0.0) + fraction
             if records and mode == model.training_mode:
                 _accumulate(agreement_sums, routing_agreement(records))
+        if exits:
+            with autocast(device, config.dtype):
+                exit_logits = model.exit_layer_logits(inputs)  # (L, B, T, V)
+            for layer, logits in enumerate(exit_logits):
+                exit_totals[layer] += lm_loss(logits, targets).item()
 
     results = []
     for mode in modes:
@@ -124,7 +135,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
     state_step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
     return EvalResult(str(checkpoint), state_step, corpus.description, n_batches * config.batch_size * seq_len,
                       results, agreement, None if run_config.model.dense else run_config.model.router,
-                      run_config.model.kind)
+                      run_config.model.kind,
+                      {f"block{layer}": total / n_batches for layer, total in enumerate(exit_totals)} if exits else {})
 
 
 def _accumulate(total: dict, update: dict) -> None:

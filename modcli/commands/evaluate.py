@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Annotated, Optional
 
 import typer
@@ -45,6 +46,23 @@ def eval_command(
     stdout.print(table)
     if result.agreement:
         stdout.print(_agreement_table(result))
+    if result.exit_losses:
+        stdout.print(_exit_table(result))
+
+
+def _exit_table(result):
+    """Early exit: the loss of the exit after each block (causal), the last being the model's."""
+    from rich.table import Table
+
+    table = Table(title="early exits: the shared final norm and head after each block (causal)")
+    for column in ("exit after", "loss", "bits/byte", "perplexity"):
+        table.add_column(column, justify="right")
+    final = next(reversed(result.exit_losses))
+    bits = result.results[0].bits_per_byte / result.results[0].loss if result.results[0].loss else 0.0
+    for block, loss in result.exit_losses.items():
+        label = f"{block} (final, the model)" if block == final else block
+        table.add_row(label, f"{loss:.4f}", f"{loss * bits:.4f}", f"{math.exp(loss):.3f}")
+    return table
 
 
 def _agreement_table(result):
