@@ -29,6 +29,11 @@ class Architecture:
     """Its blocks may have a mixture-of-experts MLP (--experts)."""
     exit_decoding: bool = False
     """`modcli generate --exit-threshold / --speculative` (decoding that leaves the stack early) applies."""
+    exportable: bool = True
+    """`modcli export` can lower it (else it refuses with `export_note` as the reason)."""
+    router_fields: tuple[str, ...] = ()
+    """MoD routing fields (router_weight, predictor_hidden, ...) the family's own routers read, though it has no MoD
+    routed blocks."""
     export_note: str | None = None
     """What `modcli export` leaves out of the bundle for this family (logged and written to the manifest)."""
 
@@ -44,6 +49,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         options=("layer_dropout_max", "exit_loss_scale"), mod_routing=False, experts=False, exit_decoding=True,
         export_note="the bundle holds the full-depth forward and decode graphs; confidence exit and self-speculative "
                     "decoding are not exported (the exit depth is data-dependent)"),
+    "recursion": Architecture(
+        "recursion", "modcli.recursion:RecursionDecoder",
+        "Mixture-of-Recursions: unique first and last blocks, a shared stack applied --recursions times, expert-choice "
+        "routing keeping a shrinking share of the tokens per step, recursion-wise KV cache",
+        options=("recursions", "recursion_capacities"), mod_routing=False, experts=False, exportable=False,
+        router_fields=("router_weight", "predictor_hidden"),
+        export_note="its decode step keeps one KV cache per recursion step, which a bundle's "
+                    "one-cache-per-block layout does not describe"),
 }
 
 

@@ -113,6 +113,12 @@ class ModelConfig:
     exit_loss_scale: float = 0.5
     """--arch early-exit: weight of the early-exit loss beside the final layer's loss (weight 1): the exits of
     blocks 0..L-2, through the shared final norm and head, weighted (l + 1) / sum(j + 1), rising with depth."""
+    recursions: int = 3
+    """--arch recursion: how many times the shared stack runs (Mixture-of-Recursions); n_layers, the unrolled depth,
+    must be 2 + recursions x the shared blocks (the first and last blocks are unique)."""
+    recursion_capacities: list[float] | None = None
+    """--arch recursion: share of the tokens each recursion step keeps (non-increasing, in (0, 1]); None =
+    (N - r) / N for step r of N (1, 0.67, 0.33 for N = 3)."""
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 2, f"--vocab-size must be >= 2, got {self.vocab_size}")
@@ -193,7 +199,8 @@ class ModelConfig:
                         f"--{option.replace('_', '-')} is an option of --arch {other.name}, not of --arch {self.arch}")
         if not spec.mod_routing:
             for name in ("route_every", *MOD_ROUTING_FIELDS):
-                ok = getattr(self, name) == defaults[name] or (name == "route_every" and self.route_every == 0)
+                ok = (getattr(self, name) == defaults[name] or (name == "route_every" and self.route_every == 0)
+                      or name in spec.router_fields)
                 require(ok, f"--{name.replace('_', '-')} is a Mixture-of-Depths option: --arch {self.arch} has no "
                             "routed blocks")
             self.route_every = 0
@@ -204,6 +211,17 @@ class ModelConfig:
         require(0.0 <= self.layer_dropout_max < 1.0,
                 f"--layer-dropout-max must be in [0, 1), got {self.layer_dropout_max}")
         require(self.exit_loss_scale >= 0, f"--exit-loss-scale must be >= 0, got {self.exit_loss_scale}")
+        require(self.recursions >= 1, f"--recursions must be >= 1, got {self.recursions}")
+        if self.arch == "recursion":
+            require(self.n_layers >= 2 + self.recursions and (self.n_layers - 2) % self.recursions == 0,
+                    f"--n-layers ({self.n_layers}) must be 2 + --recursions ({self.recursions}) x the shared blocks "
+                    f"(unique first and last blocks), e.g. {2 + 2 * self.recursions}")
+            if self.recursion_capacities is not None:
+                caps = self.recursion_capacities
+                require(len(caps) == self.recursions,
+                        f"--recursion-capacities needs {self.recursions} values (one per recursion), got {len(caps)}")
+                require(all(0.0 < c <= 1.0 for c in caps) and all(a >= b for a, b in zip(caps, caps[1:], strict=False)),
+                        f"--recursion-capacities must be in (0, 1] and must not increase, got {caps}")
 
     def layer_dropout(self, layer: int) -> float:
         """--arch early-exit: the probability that training skips block `layer` for a whole sequence (0 for every
@@ -251,8 +269,39 @@ class ModelConfig:
 
     def is_routed(self, layer: int) -> bool:
         """The block has a MoD router that picks which tokens it processes (integrated MoDE has none: its routed
-        blocks choose no-op experts in the MLP instead, see `noop_experts_of`)."""
+        blocks choose no-op experts in the MLP instead, see `noop_experts_of`). For --arch recursion, `layer` counts
+        the unrolled depth and every recursion step's layer processes only the tokens its router kept."""
+        if self.arch == "recursion":
+            return 0 < layer < self.n_layers - 1
         return self.router != INTEGRATED and self._in_route_set(layer)
+
+    @property
+    def recursion_layers(self) -> int:
+        """--arch recursion: blocks in the shared stack."""
+        return (self.n_layers - 2) // self.recursions
+
+    def recursion_capacity_list(self) -> list[float]:
+        n = self.recursions
+        return list(self.recursion_capacities) if self.recursion_capacities else [(n - r) / n for r in range(n)]
+
+    def recursion_step_of(self, layer: int) -> int:
+        """--arch recursion: the recursion step an unrolled layer (1 .. n_layers - 2) belongs to."""
+        return (layer - 1) // self.recursion_layers
+
+    def recursion_tokens(self, step: int, seq_len: int) -> int:
+        """--arch recursion: k_r of step r in the full-sequence (top-k) mode, max(1, floor(c_r x T)) exactly."""
+        frac = Fraction(self.recursion_capacity_list()[step]).limit_denominator(1_000_000)
+        return max(1, seq_len * frac.numerator // frac.denominator)
+
+    def router_count(self) -> int:
+        """Routers in the model: one per MoD-routed block, or one per recursion step (--arch recursion)."""
+        return self.recursions if self.arch == "recursion" else len(self.routed_layers())
+
+    def has_router_at(self, layer: int) -> bool:
+        """A router runs at this (unrolled) layer: a MoD-routed block, or the first layer of a recursion step."""
+        if self.arch == "recursion":
+            return self.is_routed(layer) and (layer - 1) % self.recursion_layers == 0
+        return self.is_routed(layer)
 
     def noop_layers(self) -> list[int]:
         """Blocks whose MoE MLP has no-op experts (integrated MoDE: the --route-every / --route-layers blocks)."""
@@ -482,6 +531,13 @@ def resolve_run_config(
         except ValueError:
             raise UserError(f"--route-layers must be comma-separated block indices, got {merged['route_layers']!r}"
                             ) from None
+    if isinstance(merged.get("recursion_capacities"), str):  # the flag: "1,0.5,0.25"
+        try:
+            merged["recursion_capacities"] = [float(part) for part in merged["recursion_capacities"].split(",")
+                                              if part.strip()]
+        except ValueError:
+            raise UserError("--recursion-capacities must be comma-separated numbers, got "
+                            f"{merged['recursion_capacities']!r}") from None
     merged.pop("preset", None)
     sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}}
     for key, value in merged.items():

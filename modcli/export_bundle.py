@@ -241,12 +241,16 @@ def _clean_stale(out: Path) -> list[str]:
 
 
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
+    from modcli.architectures import ARCHITECTURES
     from modcli.checkpoint import load_model_from
     from modcli.runtime import TORCH_DTYPES
 
     _check_out(out, config.force)
     _require_runtime()
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
+    family = ARCHITECTURES[model.config.arch]
+    if not family.exportable:
+        raise UserError(f"--arch {family.name} cannot be exported: {family.export_note}")
     config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
     model.check_routing(config.routing, causal=True)
     if model.capabilities is not None:

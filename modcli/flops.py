@@ -41,6 +41,9 @@ class FlopBreakdown:
 def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> tuple[int, int]:
     """(attention, MLP) tokens a block processes in a forward pass of `seq_len` tokens at the configured capacity
     (--route-part decides which of the two a routed block restricts to its selected tokens)."""
+    if config.arch == "recursion":  # a recursion step's layers process the tokens its router kept
+        k = config.recursion_tokens(config.recursion_step_of(layer), seq_len) if config.is_routed(layer) else seq_len
+        return k, k
     k = config.capacity_tokens(seq_len)
     return (k if config.attention_is_routed(layer) else seq_len, k if config.mlp_is_routed(layer) else seq_len)
 
@@ -81,7 +84,7 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, tr
         mlp, gate = mlp_flops(config, layer, n_mlp, training)
         out.mlp += round(kept * mlp)
         out.router += gate
-        if config.is_routed(layer):
+        if config.has_router_at(layer):
             router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
             out.router += router
             out.predictor += predictor
@@ -100,7 +103,7 @@ def training_flops(config: ModelConfig, seq_len: int) -> int:
     gradient for its input.
     """
     forward = flops(config, seq_len, include_predictor=True, training=True)
-    predictor_input_grad = 2 * seq_len * config.d_model * config.predictor_hidden * len(config.routed_layers())
+    predictor_input_grad = 2 * seq_len * config.d_model * config.predictor_hidden * config.router_count()
     # A dense block feeding an A-MoD router computes its attention explicitly (two plain matmuls): no recompute.
     explicit = 0
     if not config.dense and router_class(config.router).reads_previous_attention:
@@ -129,7 +132,7 @@ def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tup
         mlp, gate = mlp_flops(config, layer, mlp_rows[0] if mlp_rows else rows)
         out.mlp += mlp
         out.router += gate
-        if config.is_routed(layer):
+        if config.has_router_at(layer):
             router, predictor = router_class(config.router).flops(config, batch, routing == "predictor")
             out.router += router
             out.predictor += predictor

@@ -394,10 +394,11 @@ def _calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.d
     """
     tokens = _tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET, device)
     calibrated = False
-    for layer in model.config.routed_layers():
+    count = len(model(tokens, config.routing, return_records=True)[1])
+    for index in range(count):  # each router in order (MoD: routed blocks; Mixture-of-Recursions: steps)
         _, records = model(tokens, config.routing, return_records=True)
-        record = next(r for r in records if r.layer == layer)
-        calibrated |= model.blocks[layer].router.calibrate(record, model.config.capacity)
+        record = records[index]
+        calibrated |= record.router.calibrate(record, record.capacity)
     return calibrated
 
 

@@ -46,7 +46,12 @@ NoopExperts = Annotated[Optional[int], typer.Option(
     help="--router integrated (integrated MoDE): no-op experts in the routed blocks' MoE.")]
 PredictorHidden = Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")]
 Arch = Annotated[Optional[str], typer.Option(
-    help="Model family: mod (Mixture-of-Depths, default; dense with --dense) or early-exit (LayerSkip).")]
+    help="Model family: mod (Mixture-of-Depths, default; dense with --dense), early-exit (LayerSkip) or recursion "
+         "(Mixture-of-Recursions).")]
+Recursions = Annotated[Optional[int], typer.Option(
+    help="--arch recursion: times the shared stack runs; --n-layers = 2 + recursions x shared blocks (default 3).")]
+RecursionCapacities = Annotated[Optional[str], typer.Option(
+    help="--arch recursion: share of tokens each step keeps, comma-separated, non-increasing (default 1,0.67,0.33).")]
 LayerDropoutMax = Annotated[Optional[float], typer.Option(
     help="--arch early-exit: layer dropout of the last block, rising linearly from 0 at the first (default 0.1).")]
 ExitLossScale = Annotated[Optional[float], typer.Option(
