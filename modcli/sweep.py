@@ -289,7 +289,7 @@ def _variant_name(name: str | None, flags: dict[str, Any], config: RunConfig) ->
 
 def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = None) -> list[GridPoint]:
     """Every budget x size x variant as a validated point; a UserError names the first impossible one."""
-    from modcli.model import MoDDecoder
+    from modcli.architectures import model_class
     from modcli.training import step_flops
 
     overrides = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
@@ -312,7 +312,7 @@ def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = N
                                 f"costs {per_step:.3g} FLOPs)")
             shape = json.dumps(dataclasses.asdict(config.model), sort_keys=True)
             if shape not in parameters:
-                parameters[shape] = MoDDecoder(config.model).num_parameters()
+                parameters[shape] = model_class(config.model.arch)(config.model).num_parameters()
             points.append(GridPoint(name, budget, _size_name(size_name, config),
                                     _variant_name(variant_name, variant, config), config,
                                     math.ceil(budget / per_step), per_step, parameters[shape]))
