@@ -254,6 +254,11 @@ class ModelConfig:
         """What the model is, in words: dense, MoE, MoD, staged MoDE, integrated MoDE or early exit."""
         if self.arch == "early-exit":
             return f"early exit (layer dropout {self.layer_dropout_max:g}, exit loss {self.exit_loss_scale:g})"
+        if self.arch == "recursion":
+            shares = ",".join(f"{c:.2g}" for c in self.recursion_capacity_list())
+            return f"MoR ({self.recursions} x {self.recursion_layers} shared blocks, capacities {shares})"
+        if self.arch == "early-exit":
+            return f"early exit (LayerSkip, layer dropout {self.layer_dropout_max:g})"
         moe = f"E={self.experts}, top-{self.expert_top_k}"
         if self.router == INTEGRATED and self.noop_layers():
             return f"integrated MoDE ({moe}, {self.noop_experts} no-op)"

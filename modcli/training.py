@@ -458,8 +458,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
     modes = validation_modes(run.model)
     metrics = MetricsLog(run_dir, resume_step=run.step if tc.resume else None) if context.is_main else None
     if not quiet:
-        kind = (mc.kind if mc.arch != "mod" else "dense" if mc.dense
-                else f"MoD, {mc.router} router, capacity {mc.capacity} on blocks {mc.routed_layers()}")
+        kind = (f"MoD, {mc.router} router, capacity {mc.capacity} on blocks {mc.routed_layers()}"
+                if mc.arch == "mod" and not mc.dense and not mc.experts else mc.kind)
         parallel = f", {context.world_size} ranks ({tc.parallel})" if context.enabled else ""
         stderr_console.print(
             f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "

@@ -22,6 +22,8 @@ from modcli.commands.common import (
     LayerDropoutMax,
     NoopExperts,
     PredictorHidden,
+    RecursionCapacities,
+    Recursions,
     RouteEvery,
     RouteLayers,
     RouteOffset,
@@ -69,6 +71,8 @@ def profile(
     arch: Arch = None,
     layer_dropout_max: LayerDropoutMax = None,
     exit_loss_scale: ExitLossScale = None,
+    recursions: Recursions = None,
+    recursion_capacities: RecursionCapacities = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to profile (default: the model's).")] = None,
     seq_lens: Annotated[Optional[str], typer.Option(help="Sweep, comma-separated, e.g. 256,512,1024,2048.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per call.")] = 8,
@@ -99,7 +103,8 @@ def profile(
         router_weight=router_weight, router_hidden=router_hidden, threshold=threshold, capacity_max=capacity_max,
         route_part=route_part, predictor_hidden=predictor_hidden, experts=experts, expert_top_k=expert_top_k,
         expert_capacity_factor=expert_capacity_factor, noop_experts=noop_experts, arch=arch,
-        layer_dropout_max=layer_dropout_max, exit_loss_scale=exit_loss_scale).items() if v is not None}
+        layer_dropout_max=layer_dropout_max, exit_loss_scale=exit_loss_scale, recursions=recursions,
+        recursion_capacities=recursion_capacities).items() if v is not None}
     model = None
     if checkpoint is None or model_flags or preset or config:
         from modcli.config import resolve_run_config
