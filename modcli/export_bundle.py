@@ -251,6 +251,8 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started
     family = ARCHITECTURES[model.config.arch]
     if not family.exportable:
         raise UserError(f"--arch {family.name} cannot be exported: {family.export_note}")
+    if family.export_note:
+        log(f"note: --arch {family.name}: {family.export_note}")
     config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
     model.check_routing(config.routing, causal=True)
     if model.capabilities is not None:
@@ -302,6 +304,8 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
                   checkpoint: str, providers: list[str], aoti_ok: bool, aoti_reason: str, text: np.ndarray,
                   log: Callable[[str], None]) -> ExportResult:
     from modcli_runtime.bundle import FORMAT, FORMAT_VERSION
+
+    from modcli.architectures import ARCHITECTURES
 
     model_config = model.config
     tokenizer = run_config["data"]["tokenizer"]
@@ -356,7 +360,8 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
         "model": {"vocab_size": model_config.vocab_size, "seq_len": model_config.seq_len,
                   "tokens": "bytes (UTF-8)" if tokenizer == "bytes" else "tokenizer.json",
                   "tokenizer": None if tokenizer == "bytes" else "tokenizer.json",
-                  "dense": model_config.dense, "routed_layers": model_config.routed_layers()},
+                  "dense": model_config.dense, "routed_layers": model_config.routed_layers(),
+                  "arch": model_config.arch, "export_note": ARCHITECTURES[model_config.arch].export_note},
         "graphs": graphs,
         "compile": {"asked": config.compile, "aoti": aoti_ok, "aoti_skipped_because": aoti_reason or None,
                     "target": "cpu",
