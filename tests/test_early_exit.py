@@ -234,3 +234,28 @@ def test_bad_flags_are_one_line_and_exit_2(early_exit_run, corpus_file, tmp_path
         result = runner.invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "bad"), *args])
         assert result.exit_code == 2 and message in result.stderr, (args, result.output)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_resume_repeats_the_layer_dropout_of_the_uninterrupted_run(tmp_path, corpus_file):
+    import shutil
+
+    from modcli.config import DataConfig, RunConfig, TrainConfig
+    from modcli.training import train
+
+    def config(out, resume=False) -> RunConfig:
+        return RunConfig(model=early_exit_config(n_layers=3, seq_len=32, layer_dropout_max=0.6),
+                         data=DataConfig(data=str(corpus_file)),
+                         train=TrainConfig(batch_size=4, max_steps=6, eval_every=3, eval_batches=1, warmup=1,
+                                           log_every=1, device="cpu", out=str(out), resume=resume))
+
+    def losses(out) -> list[float]:
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [value for r in records for value in (r["loss"], r["exit_loss"])]
+
+    reference = tmp_path / "reference"
+    train(config(reference), quiet=True)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference, resumed)
+    shutil.rmtree(resumed / "step-00000006")
+    train(config(resumed, resume=True), quiet=True)
+    assert losses(resumed) == pytest.approx(losses(reference), abs=1e-6)
