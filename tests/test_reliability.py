@@ -316,6 +316,20 @@ def test_a_real_write_failure_is_one_line_and_leaves_nothing(forkserver, corpus_
     assert complete_checkpoints(out) == [] and leftovers(out) == []
 
 
+def test_a_failed_bundle_write_is_one_line_and_leaves_nothing(trained_run, tmp_path, runner, monkeypatch):
+    import modcli.export_bundle as export_bundle
+
+    def disk_full(tmp, *args, **kwargs):
+        (tmp / "forward.onnx").write_bytes(b"half a graph")
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "forward.onnx"))
+
+    monkeypatch.setattr(export_bundle, "_write_bundle", disk_full)
+    out = tmp_path / "bundle"
+    result = runner.invoke(app, ["export", str(trained_run), "--out", str(out)])
+    assert_one_line_error(result, 1, f"cannot write the bundle {out}: No space left on device")
+    assert list(tmp_path.iterdir()) == []  # no bundle, no temporary folder, no lock
+
+
 # ----------------------------------------------------------------------------------------------- divergence
 
 
