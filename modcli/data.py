@@ -174,7 +174,12 @@ def _read_byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
         if not path.exists():
             raise UserError(f"--data: no such file or folder: {path}")
         if path.is_dir():
-            files = [f for f in path.glob(config.glob) if f.is_file()]
+            if not config.glob.strip():
+                raise UserError("--glob must not be empty (e.g. '**/*.py')")
+            try:
+                files = [f for f in path.glob(config.glob) if f.is_file()]
+            except (ValueError, NotImplementedError) as exc:  # pathlib's refusals of a pattern
+                raise UserError(f"--glob {config.glob!r}: {exc}") from None
             if not files:
                 raise UserError(f"--data: no files match {config.glob!r} in {path}")
             text_files = [f for f in files if _nul_offset(f) < 0]  # a folder may hold images or caches: skip them

@@ -10,7 +10,15 @@ import torch
 
 from modcli.errors import UserError
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+class _Dtypes(dict):
+    """--dtype name -> torch dtype; an unknown name is a UserError naming the flag, wherever it is looked up."""
+
+    def __missing__(self, name):
+        raise UserError(f"--dtype must be one of {', '.join(self)}, got {name!r}")
+
+
+TORCH_DTYPES = _Dtypes(float32=torch.float32, bfloat16=torch.bfloat16, float16=torch.float16)
 
 
 def resolve_device(name: str) -> torch.device:

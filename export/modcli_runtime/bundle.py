@@ -19,6 +19,8 @@ FORMAT_VERSION = 1
 PROVIDERS = ("auto", "cpu", "cuda")
 ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+MAX_THREADS = 1024
+"""Most onnxruntime intra-op threads a bundle may ask for (0 = one per core)."""
 
 
 class BundleError(Exception):
@@ -166,8 +168,8 @@ class Bundle:
 
     def __init__(self, path: str | Path, provider: str = "cpu", verify: bool = True, allow_invalid: bool = False,
                  threads: int = 0) -> None:
-        if threads < 0:
-            raise BundleError(f"--threads must be >= 0, got {threads}")
+        if not 0 <= threads <= MAX_THREADS:
+            raise BundleError(f"--threads must be in [0, {MAX_THREADS}], got {threads}")
         self.path = Path(path)
         self.threads = threads
         self.manifest = read_manifest(self.path)

@@ -68,6 +68,11 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except Exception as exc:
+            if _out_of_memory(exc):
+                if is_main_process():
+                    print_error(f"out of memory: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; ask for "
+                                "a smaller model, batch or sequence length")
+                raise typer.Exit(2) from None
             if not _reported(exc):
                 raise
             if is_main_process():  # under torchrun every rank fails alike; one message is enough
@@ -82,6 +87,14 @@ def _reported(exc: Exception) -> bool:
     `modcli profile --onnx` meet through the code they share with it."""
     return isinstance(exc, ReportedError) or (type(exc).__name__ == "BundleError"
                                               and type(exc).__module__.startswith("modcli_runtime"))
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """An allocation the machine cannot make (a model, batch or sequence too large for it): the request is what
+    needs to change, so it is reported like a user's mistake (exit 2), not as an internal failure."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc))
 
 
 def print_error(message: str) -> None:
