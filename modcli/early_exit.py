@@ -12,7 +12,7 @@ Training
 - Early-exit loss: the hidden state after every block but the last goes through the shared final norm and head;
   the loss is exit_loss_scale x sum_l w_l CE_l with w_l = (l + 1) / sum_j (j + 1) over blocks 0..L-2, rising
   with depth like LayerSkip's scale, added to the final layer's loss at weight 1 (`modcli.losses.early_exit_losses`
-  reads the exit logits the forward stored). Every exit every step: with a byte vocabulary the head costs ~10% of a
+  reads the exit logits the forward stored). Every exit every step: with a byte vocabulary the head costs ~7% of a
   block, so LayerSkip's rotational curriculum (for 32k-token heads) is not needed.
 
 Decoding (`modcli generate`; the prompt is always prefilled at full depth)
