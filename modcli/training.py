@@ -277,6 +277,8 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     """Checks, data, model, optimizer and (with --resume) the newest checkpoint's state."""
     tc, mc = config.train, config.model
     check_config_values(config.to_dict())
+    if not 0 <= tc.seed < 2**63:  # what numpy's and torch's generators accept
+        raise UserError(f"--seed must be in [0, 2**63), got {tc.seed}")
     run_dir = Path(tc.out)
     existing = complete_checkpoints(run_dir)
     if tc.resume and not existing:
@@ -569,8 +571,10 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             if evaluate_now:
                 validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)
-                if not all(math.isfinite(value) for value in validation.values()):
-                    raise TrainingDiverged(diverged(f"the validation loss became {validation['val_loss']}", run.step))
+                broken = next((key for key, value in validation.items() if not math.isfinite(value)), None)
+                if broken is not None:
+                    raise TrainingDiverged(diverged(f"the validation loss ({broken}) became {validation[broken]}",
+                                                    run.step))
             if metrics is not None:
                 try:
                     metrics.write(record)
