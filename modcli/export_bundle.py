@@ -100,6 +100,7 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         require(self.onnx or self.compile, "nothing to export: give --onnx and/or --compile")
+        require(Path(self.out).name not in ("", ".."), f"--out must name a bundle folder, got {self.out!r}")
         require(bool(self.graphs) and all(g in GRAPHS for g in self.graphs),
                 f"--graph must be among {', '.join(GRAPHS)}, got {', '.join(map(repr, self.graphs)) or 'none'}")
         self.graphs = [g for g in GRAPHS if g in self.graphs]

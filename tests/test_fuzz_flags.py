@@ -77,7 +77,8 @@ SMALL_INTS = ["-1", "0", "1", "2", "abc", ""]
 SMALL_FLOATS = ["-1", "0", "1e6", "nan", "inf", "-inf", "abc", ""]
 TEXTS = ["", " ", "abc", "0", "-1", "1,3", "0,0", "topk", "router", "predictor", "dense", "none", "threshold",
          "random", "attention", "cpu", "cuda", "auto", "float16", "bfloat16", "forward", "decode", "all", "routers",
-         "tiny", "small", "../nowhere", "/nonexistent/file.toml", "no-such-dir/"]
+         "tiny", "small", "no-such-dir/", "no/such/file.toml", "no-such.bin"]
+"""Paths among them are relative: every example runs in a fresh empty folder, so a drawn --out stays inside it."""
 
 
 def value_strategy(flag: Flag, small: bool):
@@ -88,7 +89,9 @@ def value_strategy(flag: Flag, small: bool):
     elif flag.kind == "float":
         values = st.sampled_from(SMALL_FLOATS if small else FLOATS)
     else:
-        values = st.one_of(st.sampled_from(TEXTS), st.text(alphabet=st.characters(codec="utf-8"), max_size=6))
+        typed = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\0"), max_size=6)  # argv has no NUL
+        values = st.one_of(st.sampled_from(TEXTS), typed.map(
+            lambda text: text.lstrip("/").replace("..", "__")))  # never a path outside the example's folder
     return values.map(lambda value: [flag.option, value])
 
 
