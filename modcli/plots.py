@@ -158,7 +158,8 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | Path) -> str:
     handles += [plt.Line2D([], [], color="gray", marker=MARKERS[i % len(MARKERS)], linestyle="none", label=v)
                 for i, v in enumerate(variants)]
     axes[1].legend(handles=handles, fontsize=8, loc="best")
-    fig.suptitle("speed-quality frontier (lines: each budget's Pareto front)", fontsize=11)
+    fig.suptitle("speed-quality frontier (lines: each budget's Pareto front; none where one run is both fastest and best)",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

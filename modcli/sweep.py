@@ -327,8 +327,12 @@ def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = N
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """A run config as a dict without the fields that do not change what the run computes."""
-    config = json.loads(json.dumps(config))
+    """A run config as a dict without the fields that do not change what the run computes. A config saved before a
+    field existed gets that field's default (as loading its checkpoint does), so a newer modcli still resumes it."""
+    try:
+        config = RunConfig.from_dict(config).to_dict()
+    except (UserError, TypeError):
+        config = json.loads(json.dumps(config))
     for key in IGNORED_WHEN_COMPARING:
         config.get("train", {}).pop(key, None)
     return config
@@ -645,12 +649,11 @@ def summary_rows(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]]) ->
         latency = r.get("latency") or {}
         reference = f"{r['reference_mode']} {r['reference_loss']:.4f}" if r.get("reference_loss") is not None else "-"
         rows.append({
-            "budget": f"{r['budget']:.3g}", "size": r["size"], "variant": r["variant"],
+            "budget": budget_label(r["budget"]), "size": r["size"], "variant": r["variant"],
             "parameters": f"{r['parameters']:,}", "steps": str(r.get("steps", r.get("planned_steps"))),
-            "training FLOPs": f"{r['flops']:.3g}" if "flops" in r else "-",
             "causal val loss": (f"{r['causal_loss']:.4f}{' *' if r['name'] in winners else ''} ({r['causal_mode']})"
                                 if r.get("causal_loss") is not None else "diverged" if r.get("diverged") else "-"),
-            "non-causal (reference)": reference,
+            "non-causal": reference,
             "forward / dense": _ratio_text(latency.get("forward_ratio"), r["dense"]),
             "decode / dense": _ratio_text(latency.get("decode_ratio"), r["dense"]),
             "train s": f"{r['train_wall_s']:.0f}" if r.get("train_wall_s") is not None else "-",
@@ -661,7 +664,7 @@ def summary_rows(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]]) ->
 def _ratio_text(value: float | None, dense: bool) -> str:
     if value is None:
         return "-"
-    return "1 (dense)" if dense else f"{value:.3f}"
+    return "1" if dense else f"{value:.3f}"
 
 
 def as_json(result: SweepResult) -> dict[str, Any]:

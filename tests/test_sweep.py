@@ -321,3 +321,15 @@ def test_routes_with_a_tokenizer_json(tmp_path):
     torch.manual_seed(0)
     routes = route_tokens(MoDDecoder(tiny_model_config(vocab_size=320)).eval(), ids, pieces, tokenizer=tokenizer.name)
     _check_page(render_html(routes), len(ids), text, [1, 3])
+
+
+def test_a_run_saved_before_a_config_field_existed_is_still_the_same_point():
+    from modcli.config import RunConfig
+    from modcli.sweep import comparable
+
+    saved = RunConfig().to_dict()
+    del saved["model"]["dropout"]  # as written by a modcli without that field; loading gives its default
+    saved["train"]["out"] = "elsewhere"
+    assert comparable(saved) == comparable(RunConfig().to_dict())
+    saved["train"]["lr"] = 1.0
+    assert comparable(saved) != comparable(RunConfig().to_dict())

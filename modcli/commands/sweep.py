@@ -35,6 +35,7 @@ def sweep(
         from modcli.reporting import print_json
         print_json(dataclasses.asdict(result))
         return
+    from rich.console import Console
     from rich.table import Table
 
     if result.dry_run:
@@ -49,17 +50,19 @@ def sweep(
     table = Table(title=f"sweep {result.out}: {result.points} runs ({len(result.trained)} trained now, "
                         f"{len(result.skipped)} already done); * = best causal loss of its budget")
     for column in rows[0]:
-        table.add_column(column, justify="left" if column in ("size", "variant", "causal val loss",
-                                                               "non-causal (reference)") else "right")
+        table.add_column(column, justify="left" if column in ("size", "variant", "causal val loss", "non-causal")
+                         else "right")
     for row in rows:
         table.add_row(*row.values())
-    stdout.print(table)
+    # A pipe or a file gets the whole table rather than 80 columns of wrapped cells.
+    console = stdout if stdout.is_terminal else Console(width=max(stdout.width, 150))
+    console.print(table)
     for label, entry in result.best.items():
         if "mod_minus_dense" in entry:
             verdict = "MoD beats dense" if entry["mod_minus_dense"] < 0 else "dense beats MoD"
             stdout.print(f"budget {label}: best MoD {entry['mod']['name']} {entry['mod']['causal_loss']:.4f}, best dense "
                          f"{entry['dense']['name']} {entry['dense']['causal_loss']:.4f}: {verdict} by "
-                         f"{abs(entry['mod_minus_dense']):.4f} nats", highlight=False)
+                         f"{abs(entry['mod_minus_dense']):.4f} nats", highlight=False, soft_wrap=True)
     if result.plots:
         stdout.print("plots: " + ", ".join(result.plots.values()), highlight=False)
     stdout.print(f"results: {Path(result.out) / 'results.jsonl'}; wall time {result.wall_time_s:.0f} s", highlight=False)
