@@ -24,7 +24,7 @@ from typer.models import ArgumentInfo, OptionInfo
 from typer.testing import CliRunner
 
 from modcli.cli import app
-from modcli.commands import evaluate, export, generate, import_command, profile, tokenizer, train
+from modcli.commands import evaluate, export, generate, import_command, plot, profile, routes, sweep, tokenizer, train
 
 EXAMPLES = int(os.environ.get("MODCLI_FUZZ_EXAMPLES", "0"))
 
@@ -211,6 +211,34 @@ def test_import_flags(extra, source, tmp_path_factory):
 def test_tokenizer_train_flags(extra, corpus_file, tmp_path_factory):
     args = ["tokenizer", "train", "--vocab-size", "300", "--data", str(corpus_file), "--max-bytes", "20000",
             "--out", "tok.json", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(sweep.sweep)))
+def test_sweep_flags(extra, tmp_path_factory):
+    """With --dry-run (a switch the drawn flags cannot turn off) a sweep checks its grid and trains nothing."""
+    grid = tmp_path_factory.mktemp("grid") / "grid.toml"
+    grid.write_text('preset = "tiny"\nbudgets = [1e9]\n[common]\nseq_len = 16\nbatch_size = 2\n'
+                    '[[size]]\nd_model = 32\nn_layers = 2\nn_heads = 4\n[[variant]]\ndense = true\n')
+    args = ["sweep", str(grid), "--dry-run", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(plot.plot)), where=st.integers(0, 4))
+def test_plot_flags(extra, where, trained_run, tmp_path_factory):
+    target = [str(trained_run)] * 3 + ["", "no-such-run"]
+    args = ["plot", target[where], "--out", "curves.png", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(routes.routes), frozenset({"max_tokens"})), where=st.integers(0, 4))
+def test_routes_flags(extra, where, trained_run, corpus_file, tmp_path_factory):
+    target = [str(trained_run)] * 3 + ["", "no-such-run"]
+    args = ["routes", target[where], "--text", str(corpus_file), "--out", "routes.html", "--max-tokens", "16",
+            "--device", "cpu", *extra]
     check(invoke(tmp_path_factory, args), args)
 
 
