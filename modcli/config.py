@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -483,6 +485,69 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def check_config_values(raw: Any, where: str | None = None) -> None:
+    """Every value of a run config in dict form (RunConfig.to_dict, or a config.json) has its field's type, and
+    every number is finite. `where` names the file in messages; without it, values are named as flags.
+
+    The dataclasses' own checks (modcli.config) then judge ranges; this catches what they let through (a
+    string where a number belongs, NaN or infinity).
+    """
+    prefix = f"{where}: " if where else ""
+    if not isinstance(raw, dict):
+        raise UserError(f"{prefix}expected an object with model, data and train sections")
+    for section, cls in SECTIONS.items():
+        values = raw.get(section, {})
+        if not isinstance(values, dict):
+            raise UserError(f"{prefix}{section} must be an object, got {values!r}")
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # an annotation that does not resolve here: leave the checks to the dataclass
+            continue
+        for name, value in values.items():
+            if name in hints and not _fits(value, hints[name]):
+                label = f"{where}: {section}.{name}" if where else f"--{name.replace('_', '-')}"
+                raise UserError(f"{label} must be {_describe(hints[name])}, got {value!r}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arm) for arm in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arm) for arm in args)
+    names = {type(None): "null", bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+    if hint in names:
+        return names[hint]
+    if origin is list:
+        return f"a list of {_describe(args[0])}s" if args else "a list"
+    if origin is dict or hint is dict:
+        return "an object"
+    return getattr(hint, "__name__", str(hint))
+
+
+
 def _build(cls: type, values: dict[str, Any]) -> Any:
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - names)
@@ -547,4 +612,5 @@ def resolve_run_config(
     sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}}
     for key, value in merged.items():
         sections[_section_of(key)][key] = value
+    check_config_values(sections)  # a string where a number belongs (a TOML file), NaN, infinity: one line
     return RunConfig.from_dict(sections)
