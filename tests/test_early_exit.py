@@ -63,6 +63,15 @@ def test_causal_and_cached_decoding_equals_the_full_forward():
     stepped += [model.decode_step(tokens[:, t], cache) for t in range(12, 40)]
     torch.testing.assert_close(torch.stack(stepped, dim=1), full[:, 11:], atol=ATOL, rtol=0)
 
+    # A speculative draft through blocks 0..E-1 is the exit after block E-1, at every drafted position.
+    cache = DecoderCache.allocate(model.config, 3, 40, torch.device("cpu"))
+    model(tokens[:, :12], cache=cache)
+    start = cache.positions.clone()
+    for i in range(4):
+        hidden = model.draft_step(tokens[:, 12 + i], cache, start + i, 2)  # (B, 1, D)
+        draft = model.head(model.norm(hidden[:, 0]))  # (B, V)
+        torch.testing.assert_close(draft, exits[1, :, 12 + i], atol=ATOL, rtol=0)
+
 
 @torch.no_grad()
 def test_exit_threshold_one_is_the_full_model_and_exits_fill_the_cache_from_the_exit_state():
