@@ -14,7 +14,6 @@ next writer (`clean_stale`), which holds the run's lock (modcli.run_lock).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from modcli_runtime.bundle import sha256_of  # the one definition, shared with the PyTorch-free runtime
 from safetensors.torch import save_model
 
 from modcli.config import ModelConfig, RunConfig, check_config_values
@@ -64,14 +64,6 @@ def _pause() -> None:
         delay = 0.0
     if delay > 0:
         time.sleep(delay)
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state: dict[str, Any] | None,

@@ -58,7 +58,7 @@ def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = Fal
     per_token = 2 * config.d_model * 2 * config.hidden + 2 * config.hidden * config.d_model  # SwiGLU gate+up, down
     if not config.experts:
         return tokens * per_token, 0
-    from modcli.moe import expert_capacity  # torch-free import of a pure function would be nicer; moe needs torch
+    from modcli.moe import expert_capacity  # imported here: modcli.moe needs torch, this module does not
 
     pool = config.experts + config.noop_experts_of(layer)
     gate = 2 * tokens * config.d_model * pool

@@ -267,13 +267,19 @@ class MoDDecoder(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        self._add_head_and_initialise(self.blocks)
+
+    def _add_head_and_initialise(self, blocks) -> None:
+        """The final norm and LM head (tied to the embedding unless configured otherwise), then every weight's
+        initialisation: N(0, 0.02), the residual projections of `blocks` scaled by 1 / sqrt(2 x n_layers)."""
+        config = self.config
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-        for block in self.blocks:
+        for block in blocks:
             nn.init.normal_(block.attn.proj.weight, std=residual_std)
             down = block.mlp.down
             nn.init.normal_(down if isinstance(down, nn.Parameter) else down.weight, std=residual_std)

@@ -23,8 +23,6 @@ equals the causal full forward (tested).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
@@ -57,16 +55,7 @@ class RecursionDecoder(MoDDecoder):
         self.shared = nn.ModuleList(Block(plain, 1 + j) for j in range(config.recursion_layers))
         self.last = Block(plain, config.n_layers - 1)
         self.routers = nn.ModuleList(TopKRouter(plain, step) for step in range(config.recursions))
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.head.weight = self.embed.weight
-        self.apply(self._init_weights)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layers)
-        for block in (self.first, *self.shared, self.last):
-            nn.init.normal_(block.attn.proj.weight, std=residual_std)
-            down = block.mlp.down
-            nn.init.normal_(down if isinstance(down, nn.Parameter) else down.weight, std=residual_std)
+        self._add_head_and_initialise((self.first, *self.shared, self.last))
 
     @property
     def blocks(self) -> list[Block]:  # the unique blocks (what FSDP wraps, what MoE statistics read)

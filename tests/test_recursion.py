@@ -68,11 +68,9 @@ def test_top_k_keeps_a_shrinking_nested_share():
     _, records = model(torch.randint(0, 256, (3, 30)), "topk", return_records=True)
     counts = [record.selection.counts.tolist() for record in records]
     assert counts == [[30] * 3, [20] * 3, [10] * 3]
-    chosen = [set(map(tuple, record.selection.selected_idx.tolist())) for record in records]
     for row in range(3):
         steps = [set(records[s].selection.selected_idx[row].tolist()) for s in range(3)]
         assert steps[2] <= steps[1] <= steps[0]
-    assert chosen
 
 
 @pytest.mark.parametrize("routing", ["router", "predictor"])
