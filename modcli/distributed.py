@@ -12,6 +12,7 @@ checkpoint folder, so multi-node runs need --out on a shared filesystem.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,7 +66,10 @@ def setup(device_flag: str) -> DistributedContext:
 
 
 def teardown(context: DistributedContext) -> None:
+    """Destroy the process group once nothing that uses it is left: DDP's reducer, which the caller has dropped,
+    may sit in a reference cycle, and freed after its process group it can hang; collect it first."""
     if context.enabled and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

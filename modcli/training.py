@@ -445,6 +445,7 @@ def train(config: RunConfig, quiet: bool = False) -> TrainResult:
     finally:
         if lock is not None:
             lock.release()
+        prepared = None  # the DDP wrapper (and its reducer) must go before its process group, or freeing it can hang
         distributed.teardown(context)
 
 
