@@ -6,9 +6,12 @@ The bundle is a folder:
   training-time top-k routing (non-causal: a token's selection depends on later tokens; for scoring whole
   sequences, not for decoding). k = max(1, T * num // den) is computed inside the graph, so one graph serves
   every T and B.
-- `decode.onnx`: one token per sequence plus an explicit KV cache (per layer (B, H, slots, hd) keys/values and
-  (B,) lengths, returned updated), with causal routing (`--routing router|predictor`). The prompt is fed through
-  this graph one token at a time, which fills the cache with exactly the decisions `modcli generate` makes.
+- `decode.onnx`: one token per sequence plus an explicit, read-only KV cache (per layer (B, Hkv, slots, hd)
+  keys/values and (B,) lengths), with causal routing (`--routing router|predictor`). It returns the logits, only
+  this step's K/V per layer (new_keys.L/new_values.L, (B, Hkv, 1, hd)) and per routed layer which rows processed
+  the token; the manifest's `graphs.decode.cache` says which layers store every row's K/V and which only the
+  processed rows' (the runtime writes them in place). The prompt is fed through this graph one token at a time,
+  which fills the cache with exactly the decisions `modcli generate` makes.
 - with `--compile`: `<graph>.pt2` (torch.export ExportedProgram, dynamic dims) and `<graph>.aoti.pt2`
   (AOTInductor package for this machine's CPU).
 - `config.json` (the checkpoint's run config) and `manifest.json` (files and sha256, versions, opset, inputs
@@ -60,6 +63,10 @@ PROVIDERS = ("auto", "cpu", "cuda")
 GRAPHS = ("forward", "decode")
 DEFAULT_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
 """Default --atol per dtype: logits of the exported graph against eager PyTorch in the same dtype."""
+CACHE_UPDATE_NOTE = ("the graph only reads the cache and returns this step's K/V per layer as new_keys.L/new_values.L "
+                     "(B, Hkv, 1, hd); the caller stores row b's at slot lengths.L[b] of its own buffers, in place, "
+                     "and adds 1 to lengths.L[b]: for every row in every_row_layers, and only for rows with "
+                     "processed.L[b] true in processed_row_layers (attention-routed layers)")
 PREFILL_NOTE = ("the prompt is fed through the decode graph one token per step (exactly the causal decisions of "
                 "`modcli generate`); there is no batched causal prefill graph")
 
@@ -350,7 +357,11 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
         graphs["decode"]["cache"] = {
             "n_layers": model_config.n_layers, "n_heads": model_config.kv_heads, "head_dim": model_config.head_dim,
             "dtype": config.dtype, "routed_layers": model_config.routed_layers(), "capacity": [num, den],
-            "prefill": PREFILL_NOTE}
+            "every_row_layers": [layer for layer in range(model_config.n_layers)
+                                 if not model_config.attention_is_routed(layer)],
+            "processed_row_layers": [layer for layer in range(model_config.n_layers)
+                                     if model_config.attention_is_routed(layer)],
+            "update": CACHE_UPDATE_NOTE, "prefill": PREFILL_NOTE}
     if "forward" in graphs and not model_config.dense:
         graphs["forward"]["capacity"] = {"fraction": [num, den], "k": "max(1, T * num // den), computed in the graph"}
 

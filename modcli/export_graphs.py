@@ -9,19 +9,24 @@ the eager way:
   number of tokens kept, k = max(1, T * num // den), is computed inside the graph with integer arithmetic from T,
   so one graph serves every T and B; then `MoDDecoder.forward` runs with that k (TopK, indices in causal order,
   gather, the block on the k tokens, an overwrite scatter of `x + w * f(x)`).
-- `DecodeStepGraph` (a causal mode): one token per sequence and an explicit KV cache, one preallocated
-  (B, H, slots, hd) buffer pair and a (B,) length vector per layer, returned updated. A routed block appends K/V
-  only for the tokens it processes. Its work sits inside `torch.cond` (an ONNX `If`): when no sequence of the batch
-  processes the token the branch with the attention and MLP is not run at all. For B = 1 that is a real skip of
-  every skipped token; for B > 1 the work is skipped only when every row skips, and when some rows process the
-  token all rows are computed and the skipped rows' results are discarded (their hidden state and cache stay bit
-  for bit unchanged).
+- `DecodeStepGraph` (a causal mode): one token per sequence against an explicit, READ-ONLY KV cache, one
+  (B, Hkv, slots, hd) buffer pair and a (B,) length vector per layer. It returns only this step's K/V per layer
+  (B, Hkv, 1, hd) and, per routed block, which rows processed the token; the caller writes the rows into its
+  buffers in place (`write_new_rows` here, `CacheSpec.write_rows` in the runtime), so a step costs nothing in the
+  size of the cache beyond attention's own reads. Attention scores the cache and the token's own key separately
+  and takes one softmax over both (`attend_cache_and_self`): the cache is never concatenated, scattered or copied.
+  A routed block's work sits inside `torch.cond` (an ONNX `If`): when no sequence of the batch processes the token,
+  the branch taken returns x unchanged and reads no cache memory. For B = 1 that is a real skip of every skipped
+  token; for B > 1 the work is skipped only when every row skips, and when some rows process the token all rows
+  are computed and the skipped rows' results are discarded (their hidden state stays bit for bit unchanged and
+  their K/V are not stored).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modcli.model import Block, MoDDecoder, config_rope
@@ -70,42 +75,89 @@ class ForwardGraph(nn.Module):
         return (logits, *(selected_positions(record.selection) for record in records))
 
 
-def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-                  lengths: Tensor, write: Tensor | None, part: str = "block") -> tuple[Tensor, Tensor, Tensor]:
-    """f(x) for one token per row x (B, 1, D), with its K/V written at slot lengths[b] of each row's cache.
+def attend_cache_and_self(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, key_self: Tensor,
+                          value_self: Tensor) -> Tensor:
+    """One decode query per row against a read-only KV cache plus the token's own key/value, one softmax over both.
 
-    `write` (B,) bool: rows whose K/V are stored; the other rows' slot keeps its old content (None: all rows).
-    The attention mask covers slots 0..lengths[b], the slot just written included, so no row is fully masked.
-    `part` as in `Block.delta`: block (attention and MLP), attention, or mlp (no cache access).
+    q (B, H, 1, hd); keys/values (B, Hkv, S, hd), of which row b's first lengths[b] slots are real; key_self and
+    value_self (B, Hkv, 1, hd), the K/V of the token being decoded. Equal to attention over the cache with the new
+    token appended, without writing, concatenating or copying the cache: the scores against the cache (slots >=
+    lengths[b] masked) and the score against the token's own key share one log-sum-exp, then
+    out = probs_cache @ V_cache + p_self * v_self. The cache is read once (attention's own cost) and never copied:
+    query heads are grouped onto their key/value head by a reshape of q, not by repeating the cache. Returns
+    (B, H, 1, hd).
     """
-    if part == "mlp":
-        return block.mlp(block.mlp_norm(x)), keys, values
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads, slots = keys.shape[1], keys.shape[2]
+    scale = 1.0 / math.sqrt(head_dim)
+    # Query head h reads key/value head h // group (Attention.share_kv's repeat_interleave), so (H, 1) -> (Hkv, G).
+    q = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim).to(keys.dtype)  # (B, Hkv, G, hd)
+    cache_scores = (q @ keys.transpose(-1, -2)).float() * scale  # (B, Hkv, G, S)
+    visible = torch.arange(slots, device=q.device)[None, :] < lengths[:, None]  # (B, S)
+    cache_scores = cache_scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    self_scores = (q.float() * key_self.float()).sum(dim=-1, keepdim=True) * scale  # (B, Hkv, G, 1)
+    top = torch.maximum(cache_scores.amax(dim=-1, keepdim=True), self_scores)  # (B, Hkv, G, 1) finite: self is
+    cache_probs = (cache_scores - top).exp()  # (B, Hkv, G, S), 0 at masked slots
+    self_probs = (self_scores - top).exp()  # (B, Hkv, G, 1)
+    total = cache_probs.sum(dim=-1, keepdim=True) + self_probs  # (B, Hkv, G, 1)
+    out = (cache_probs.to(values.dtype) @ values).float() + self_probs * value_self.float()  # (B, Hkv, G, hd)
+    return (out / total).reshape(batch, n_heads, 1, head_dim)  # float32
+
+
+def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                  lengths: Tensor, part: str = "block") -> tuple[Tensor, Tensor, Tensor]:
+    """f(x) for one token per row x (B, 1, D) against the read-only cache, and the token's K/V (B, Hkv, 1, hd).
+
+    `part` as in `Block.delta`: block (attention and MLP) or attention. Nothing is written: the caller stores the
+    returned K/V at slot lengths[b] of the rows that keep them (`write_new_rows`, or the runtime).
+    """
     batch = x.shape[0]
     attn = block.attn
-    q, k, v = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd), k and v (B, Hkv, 1, hd)
-    slot = lengths.view(batch, 1, 1, 1).expand(batch, attn.n_kv_heads, 1, attn.head_dim)  # (B, Hkv, 1, hd)
-    k, v = k.to(keys.dtype), v.to(values.dtype)
-    if write is not None:
-        keep = write.view(batch, 1, 1, 1)
-        k = torch.where(keep, k, keys.gather(2, slot))
-        v = torch.where(keep, v, values.gather(2, slot))
-    keys = keys.scatter(2, slot, k)  # (B, H, L, hd)
-    values = values.scatter(2, slot, v)
-    visible = torch.arange(keys.shape[2], device=x.device)[None, :] <= lengths[:, None]  # (B, L)
-    out = F.scaled_dot_product_attention(q, attn.share_kv(keys.to(q.dtype)), attn.share_kv(values.to(q.dtype)),
-                                         attn_mask=visible[:, None, None, :])  # (B, H, 1, hd)
+    q, key_self, value_self = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd), (B, Hkv, 1, hd)
+    key_self, value_self = key_self.to(keys.dtype), value_self.to(values.dtype)
+    out = attend_cache_and_self(q, keys, values, lengths, key_self, value_self).to(q.dtype)  # (B, H, 1, hd)
     attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
     if part == "attention":
-        return attn_update, keys, values
-    delta = attn_update + block.mlp(block.mlp_norm(x + attn_update))
-    return delta, keys, values
+        return attn_update, key_self, value_self
+    return attn_update + block.mlp(block.mlp_norm(x + attn_update)), key_self, value_self
+
+
+def write_new_rows(keys: Tensor, values: Tensor, lengths: Tensor, new_keys: Tensor, new_values: Tensor,
+                   writes: Tensor | None = None) -> Tensor:
+    """Store one decode step's K/V in preallocated buffers, in place, with static shapes and no host sync.
+
+    keys/values (B, Hkv, S, hd) buffers, lengths (B,), new_keys/new_values (B, Hkv, 1, hd) as the decode graph
+    returns them, writes (B,) bool: the rows that keep this step's K/V (a routed layer's `processed`; None = every
+    row). Row b that writes gets its K/V at slot lengths[b]; a row that does not write is left bit for bit
+    unchanged (its slot lengths[b] is rewritten with its own old content, so even a full row is safe). The slot is
+    clamped to S - 1 so that the scatter never goes out of bounds: the caller must give a writing row room
+    (lengths[b] < S), as a preallocated cache of max_tokens slots does. Returns the new lengths (B,): lengths +
+    writes (the caller copies them into its length buffer: `lengths.copy_(...)`).
+    """
+    batch, n_kv_heads, slots, head_dim = keys.shape
+    slot = lengths.clamp(max=slots - 1).view(batch, 1, 1, 1).expand(batch, n_kv_heads, 1, head_dim)  # (B, Hkv, 1, hd)
+    new_keys, new_values = new_keys.to(keys.dtype), new_values.to(values.dtype)
+    if writes is None:
+        keys.scatter_(2, slot, new_keys)
+        values.scatter_(2, slot, new_values)
+        return lengths + 1
+    keep = writes.view(batch, 1, 1, 1)
+    keys.scatter_(2, slot, torch.where(keep, new_keys, keys.gather(2, slot)))
+    values.scatter_(2, slot, torch.where(keep, new_values, values.gather(2, slot)))
+    return lengths + writes.to(lengths.dtype)
 
 
 class DecodeStepGraph(nn.Module):
-    """One decode step: tokens (B,), positions (B,), per layer keys/values (B, H, L, hd) and lengths (B,).
+    """One decode step against a read-only KV cache.
 
-    Returns logits (B, V), each layer's updated keys, values and lengths, then for every routed block a (B,)
-    bool of the rows that processed the token.
+    Inputs: tokens (B,), positions (B,), then per layer keys/values (B, Hkv, slots_L, hd) and lengths (B,).
+    Outputs (`output_names`): logits (B, V); per layer new_keys/new_values (B, Hkv, 1, hd), the K/V of this
+    step's token; per routed layer processed (B,) bool. The caller stores the new K/V at slot lengths[b]: for every
+    row in `every_row_layers` (dense layers, and routed layers whose attention covers every token, --route-part
+    mlp), only for rows with processed[b] in `processed_row_layers` (attention-routed layers); `write_outputs` does
+    it for torch buffers, the runtime's `CacheSpec.write_rows` for numpy ones. A skipped routed block (`torch.cond`
+    / ONNX `If`, taken when no row processes the token) reads no cache memory: it returns x unchanged and zero K/V,
+    which nobody stores because processed is false.
     """
 
     def __init__(self, model: MoDDecoder, routing: str) -> None:
@@ -113,28 +165,60 @@ class DecodeStepGraph(nn.Module):
         model.check_routing(routing, causal=True)
         self.model = model
         self.routing = routing
+        config = model.config
+        self.processed_row_layers = tuple(layer for layer in range(config.n_layers)
+                                          if config.attention_is_routed(layer))
+        self.every_row_layers = tuple(layer for layer in range(config.n_layers)
+                                      if layer not in self.processed_row_layers)
+        self.routed_layers = tuple(config.routed_layers())
+
+    def writes_every_row(self, layer: int) -> bool:
+        """True when every row stores this step's K/V in `layer`; False when only rows with processed.L do."""
+        return layer in self.every_row_layers
+
+    @property
+    def input_names(self) -> list[str]:
+        return ["tokens", "positions", *[f"{kind}.{layer}" for layer in range(self.model.config.n_layers)
+                                         for kind in ("keys", "values", "lengths")]]
+
+    @property
+    def output_names(self) -> list[str]:
+        return ["logits", *[f"new_{kind}.{layer}" for layer in range(self.model.config.n_layers)
+                            for kind in ("keys", "values")],
+                *[f"processed.{layer}" for layer in self.routed_layers]]
+
+    def write_outputs(self, outputs: tuple[Tensor, ...], cache: list[Tensor]) -> None:
+        """Store a step's outputs in the flat cache [keys.0, values.0, lengths.0, ...] in place (lengths too)."""
+        n_layers = self.model.config.n_layers
+        processed = dict(zip(self.routed_layers, outputs[1 + 2 * n_layers:], strict=True))
+        for layer in range(n_layers):
+            keys, values, lengths = cache[3 * layer: 3 * layer + 3]
+            writes = None if self.writes_every_row(layer) else processed[layer]
+            new_keys, new_values = outputs[1 + 2 * layer: 3 + 2 * layer]
+            lengths.copy_(write_new_rows(keys, values, lengths, new_keys, new_values, writes))
 
     def forward(self, tokens: Tensor, positions: Tensor, *cache: Tensor) -> tuple[Tensor, ...]:
         model = self.model
         config = model.config
         x = model.embed(tokens)[:, None]  # (B, 1, D)
         cos, sin = config_rope(config, positions[:, None])  # (B, 1, hd/2)
-        new_cache: list[Tensor] = []
+        new_rows: list[Tensor] = []
         processed: list[Tensor] = []
         for layer, block in enumerate(model.blocks):
             keys, values, lengths = cache[3 * layer: 3 * layer + 3]
             if not block.routed:
-                delta, keys, values = _decode_delta(block, x, cos, sin, keys, values, lengths, None)
+                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths)
                 x = x + delta.to(x.dtype)
-                new_cache += [keys, values, lengths + 1]
+                new_rows += [new_keys, new_values]
                 continue
             router_logits = block.router.logits(x, positions[:, None])  # (B, 1)
             decisions = block.router.decide(x, router_logits, self.routing, positions[:, None],
                                             config.capacity)[:, 0]  # (B,) causal yes/no
             part = config.route_part
             if part == "mlp":  # every row attends and is cached; only the MLP is routed, and its If holds no cache
-                attn_update, keys, values = _decode_delta(block, x, cos, sin, keys, values, lengths, None, "attention")
-                x, lengths = x + attn_update.to(x.dtype), lengths + 1
+                attn_update, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths,
+                                                                  "attention")
+                x = x + attn_update.to(x.dtype)
 
                 def mlp_only(x, router_logits, decisions, block=block):
                     weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
@@ -142,24 +226,30 @@ class DecodeStepGraph(nn.Module):
 
                 x = torch.cond(decisions.any(), mlp_only, lambda x, router_logits, decisions: x.clone(),
                                (x, router_logits, decisions))
-                new_cache += [keys, values, lengths]
+                new_rows += [new_keys, new_values]
                 processed.append(decisions)
                 continue
 
             def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block, part=part):
-                delta, keys, values = _decode_delta(block, x, cos, sin, keys, values, lengths, decisions, part)
+                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths, part)
                 weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
                 x = residual_update(x, delta, weight, keep=decisions[:, None, None])  # skipped rows: x bit for bit
-                return x, keys, values, lengths + decisions.to(lengths.dtype)
+                # Fresh (B, Hkv, 1, hd) tensors: both branches of a cond must return the same layout, and these are
+                # views into the qkv projection.
+                return (x, new_keys.clone(memory_format=torch.contiguous_format),
+                        new_values.clone(memory_format=torch.contiguous_format))
 
-            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions):
-                return x.clone(), keys.clone(), values.clone(), lengths.clone()
+            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block):
+                # No cache input is read here: only x's shape and the cache's (static) dtype.
+                shape = (x.shape[0], block.attn.n_kv_heads, 1, block.attn.head_dim)
+                return (x.clone(), torch.zeros(shape, dtype=keys.dtype, device=x.device),
+                        torch.zeros(shape, dtype=values.dtype, device=x.device))
 
-            x, keys, values, lengths = torch.cond(
+            x, new_keys, new_values = torch.cond(
                 decisions.any(), process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions))
             if part == "attention":  # only attention was routed; the MLP runs on every row
                 x = x + block.mlp(block.mlp_norm(x))
-            new_cache += [keys, values, lengths]
+            new_rows += [new_keys, new_values]
             processed.append(decisions)
         logits = model.head(model.norm(x))[:, 0]  # (B, V)
-        return (logits, *new_cache, *processed)
+        return (logits, *new_rows, *processed)

@@ -29,9 +29,11 @@ MIN_OPSET = 18
 """The dynamo exporter's translation library targets opset 18 and later (opset 18 is also what we validate)."""
 FORWARD_NOTE = ("{mode} routing: {rule}; a fixed number of tokens per T (non-causal: whether a token is processed "
                 "depends on later tokens); for scoring whole sequences, not for decoding")
-DECODE_NOTE = ("causal routing ({routing}: {rule}), one token per sequence with an explicit KV cache; routed blocks "
-               "run inside an If: skipped entirely when no row of the batch processes the token (a real skip for "
-               "batch 1), otherwise computed for every row with skipped rows left bit for bit unchanged")
+DECODE_NOTE = ("causal routing ({routing}: {rule}), one token per sequence against a read-only KV cache: the graph "
+               "returns only this step's K/V per layer (new_keys/new_values, slot dim 1) and the caller stores them "
+               "(see the cache entry); routed blocks run inside an If: skipped entirely, reading no cache, when no "
+               "row of the batch processes the token (a real skip for batch 1), otherwise computed for every row "
+               "with skipped rows left bit for bit unchanged and their K/V not stored")
 
 
 @dataclass
@@ -84,9 +86,10 @@ def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
     batch = Dim("batch", min=1)
     tokens = torch.randint(0, config.vocab_size, (2,), generator=generator)  # (B,)
     positions = torch.tensor([9, 12])  # (B,)
+    module = DecodeStepGraph(model, routing).eval()
     cache: list[torch.Tensor] = []
     cache_shapes: list[dict[int, Any]] = []
-    names, out_names, axes = ["tokens", "positions"], ["logits"], {"tokens": {0: "batch"}, "positions": {0: "batch"}}
+    axes: dict[str, dict[int, str]] = {"tokens": {0: "batch"}, "positions": {0: "batch"}}
     for layer in range(config.n_layers):
         slots = 13 + 2 * layer  # distinct sample sizes: each layer's slot count is its own dimension
         shape = (2, config.kv_heads, slots, config.head_dim)
@@ -94,15 +97,13 @@ def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
                   torch.tensor([4, 7])]
         slot_dim = Dim(f"slots_{layer}", min=1)
         cache_shapes += [{0: batch, 2: slot_dim}, {0: batch, 2: slot_dim}, {0: batch}]
-        for kind in ("keys", "values", "lengths"):
-            names.append(f"{kind}.{layer}")
-            out_names.append(f"next_{kind}.{layer}")
-            axes[f"{kind}.{layer}"] = {0: "batch", 2: f"slots.{layer}"} if kind != "lengths" else {0: "batch"}
-    out_names += [f"processed.{layer}" for layer in config.routed_layers()]
+        axes.update({f"keys.{layer}": {0: "batch", 2: f"slots.{layer}"},
+                     f"values.{layer}": {0: "batch", 2: f"slots.{layer}"}, f"lengths.{layer}": {0: "batch"}})
     mode = routing if not config.dense else "dense"
     return GraphSpec(
-        name="decode", module=DecodeStepGraph(model, routing).eval(), args=(tokens, positions, *cache),
-        dynamic_shapes=({0: batch}, {0: batch}, tuple(cache_shapes)), input_names=names, output_names=out_names,
+        name="decode", module=module, args=(tokens, positions, *cache),
+        dynamic_shapes=({0: batch}, {0: batch}, tuple(cache_shapes)), input_names=module.input_names,
+        output_names=module.output_names,
         input_axes=axes, output_axes={}, routing=mode, causal=True,
         note=DECODE_NOTE.format(routing=routing, rule=_rule(model, routing)) if not config.dense
         else "dense model, one token per sequence")

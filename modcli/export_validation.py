@@ -3,7 +3,8 @@
 - Cases: the forward graph (top-k) on random tokens at the sequence lengths where k changes and on real text;
   the decode graph on text and random prompts, greedy for `--decode-steps` tokens.
 - References: `eager_forward` (model(tokens, "topk"): logits and selected positions) and `eager_generation`
-  (`modcli generate`'s prefill and decode_step at temperature 0: tokens, logits, processed counts per layer).
+  (`modcli generate`'s prefill and decode_step at temperature 0: tokens, logits, processed counts and KV cache
+  lengths per layer).
 - Runners: onnxruntime through modcli_runtime on each provider (`validation_providers`), and with --compile the
   ExportedPrograms and AOTInductor packages.
 
@@ -44,7 +45,8 @@ class Check:
     case: str
     max_abs_diff: float
     indices_match: bool | None
-    """forward: every routed block selected the same positions; decode: the same processed counts per layer."""
+    """forward: every routed block selected the same positions; decode: the same processed counts and KV cache
+    lengths per layer."""
     tokens_match: bool | None
     """decode only: greedy tokens equal to `modcli generate`'s."""
     passed: bool
@@ -147,15 +149,25 @@ def topk_choice_is_ambiguous(scores: np.ndarray, reference: np.ndarray, got: np.
     return True
 
 
-@torch.no_grad()
-def eager_generation(model: MoDDecoder, prompts: list[list[int]], steps: int, routing: str
-                     ) -> tuple[list[list[int]], list[np.ndarray], dict[int, list[int]], float]:
-    """`modcli generate`'s PyTorch path at temperature 0: its prefill, then `decode_step` with the KV cache.
+@dataclass
+class EagerGeneration:
+    """`modcli generate`'s PyTorch path at temperature 0 on a batch of prompts (what the decode graph must match)."""
 
-    Returns the greedy tokens per row, the (steps, V) logits each was chosen from, per routed layer the number of
-    tokens each row's cache holds (= tokens the layer processed), and the smallest |logit| of the causal rule seen
-    (how close any routing decision came to flipping).
-    """
+    tokens: list[list[int]]
+    """Greedy tokens per row."""
+    logits: list[np.ndarray]
+    """Per row, the (steps, V) logits each token was chosen from."""
+    processed: dict[int, list[int]]
+    """Per attention-routed layer, per row: tokens its cache holds (= tokens the layer processed)."""
+    cache_lengths: dict[int, list[int]]
+    """Per layer, per row: tokens its KV cache holds at the end (prompt + steps - 1 in layers that store every row)."""
+    margin: float
+    """The smallest |logit| of the causal rule seen (how close any routing decision came to flipping)."""
+
+
+@torch.no_grad()
+def eager_generation(model: MoDDecoder, prompts: list[list[int]], steps: int, routing: str) -> EagerGeneration:
+    """`modcli generate`'s PyTorch path at temperature 0: its prefill, then `decode_step` with the KV cache."""
     from modcli.cache import DecoderCache
     from modcli.generation import prefill
 
@@ -165,10 +177,11 @@ def eager_generation(model: MoDDecoder, prompts: list[list[int]], steps: int, ro
     with decision_margin(model, routing) as margin:
         logits = prefill(model, prompts, cache, routing, device, "float32")  # (B, V); the model is in the export dtype
         tokens, kept = _greedy_steps(model, cache, logits, len(prompts), steps, routing)
+    lengths = {layer: cache.layers[layer].lengths.tolist() for layer in range(model.config.n_layers)}
     # A routed layer's cache counts what it processed, unless only its MLP is routed (then it caches every token).
-    processed = {layer: cache.layers[layer].lengths.tolist() for layer in model.config.routed_layers()
+    processed = {layer: lengths[layer] for layer in model.config.routed_layers()
                  if model.config.attention_is_routed(layer)}
-    return tokens, [np.stack(rows) for rows in kept], processed, margin["closest"]
+    return EagerGeneration(tokens, [np.stack(rows) for rows in kept], processed, lengths, margin["closest"])
 
 
 def _greedy_steps(model: MoDDecoder, cache, logits: torch.Tensor, batch: int, steps: int, routing: str):
@@ -248,7 +261,9 @@ def validate_bundle(folder: Path, model: MoDDecoder, specs: list[GraphSpec], con
 
             runners.append(("aoti-cpu", {s.name: aoti_load_package(str(folder / f"{s.name}.aoti.pt2")) for s in specs}))
         torch_spec = CacheSpec(model_config.n_layers, model_config.kv_heads, model_config.head_dim, "float32",
-                               model_config.routed_layers(), model_config.capacity_fraction())
+                               model_config.routed_layers(), model_config.capacity_fraction(),
+                               [layer for layer in range(model_config.n_layers)
+                                if model_config.attention_is_routed(layer)])
         by_name = {s.name: s for s in specs}
         for name, calls in runners:
             if "forward" in calls:
@@ -313,7 +328,9 @@ def _check_decode(model: MoDDecoder, runner_name: str, step, cache_spec, cases: 
 
     checks = []
     for case, prompts in cases:
-        ref_tokens, ref_logits, ref_processed, margin = eager_generation(model, prompts, steps, routing)
+        reference = eager_generation(model, prompts, steps, routing)
+        ref_tokens, ref_logits, ref_processed, margin = (reference.tokens, reference.logits, reference.processed,
+                                                         reference.margin)
         try:
             got = generate_tokens(step, cache_spec, prompts, vocab_size=model.config.vocab_size,
                                   max_new_tokens=steps, temperature=0, return_logits=True)
@@ -332,6 +349,10 @@ def _check_decode(model: MoDDecoder, runner_name: str, step, cache_spec, cases: 
         processed_same = {layer: got.processed_tokens[layer] for layer in ref_processed} == ref_processed
         if not processed_same:
             details.append(f"processed tokens per layer {got.processed_tokens} != eager {ref_processed}")
+        lengths_same = got.cache_lengths == reference.cache_lengths
+        if not lengths_same:
+            details.append(f"KV cache lengths per layer {got.cache_lengths} != eager {reference.cache_lengths}")
+        processed_same = processed_same and lengths_same
         diff = max(diffs)
         passed = diff <= atol and tokens_same and processed_same
         ambiguous = not passed and not (tokens_same and processed_same) and margin <= atol

@@ -9,17 +9,23 @@ from typing import Any
 
 import numpy as np
 
-from modcli_runtime.bundle import Bundle, load_bundle
+from modcli_runtime.bundle import NUMPY_DTYPES, Bundle, load_bundle
 
 
-def _latencies_ms(call: Callable[[], Any], repeats: int, warmup: int) -> np.ndarray:
+def _latencies_ms(call: Callable[[], Any], repeats: int, warmup: int,
+                  reset: Callable[[], Any] | None = None) -> np.ndarray:
+    """Wall-clock milliseconds of `repeats` calls after `warmup` untimed ones; `reset` runs untimed after each."""
     for _ in range(warmup):
         call()
+        if reset is not None:
+            reset()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
         times.append((time.perf_counter() - start) * 1000)
+        if reset is not None:
+            reset()
     return np.array(times)
 
 
@@ -29,18 +35,23 @@ def _summary(times_ms: np.ndarray) -> dict[str, float]:
 
 
 def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_tokens: int = 128,
-                repeats: int = 20, warmup: int = 3, provider: str = "cpu", threads: int = 0, seed: int = 0
-                ) -> dict[str, Any]:
+                repeats: int = 20, warmup: int = 3, provider: str = "cpu", threads: int = 0, seed: int = 0,
+                routed_cache_tokens: int | None = None) -> dict[str, Any]:
     """Time the forward graph on (batch, seq_len) random tokens and one decode step at `cache_tokens` cached.
 
-    The decode step is timed with dense layers holding `cache_tokens` tokens and routed layers their top-k
-    share, on fresh random tokens each call (the graph's routing decides per token; the fraction of calls in
-    which each routed block did its work is reported). Returns one dict:
-    {"provider", "forward": {...}, "decode": {...}} with latency_ms (median), min_ms, p90_ms and tokens_per_s.
-    `threads`: onnxruntime intra-op threads (0 = its default); match torch.get_num_threads() for a fair comparison.
+    The decode step is timed with the layers that store every token (dense layers, and routed layers whose
+    attention is not routed) holding `cache_tokens` tokens, and attention-routed layers holding
+    `routed_cache_tokens` (default: their top-k share of `cache_tokens`), on fresh random tokens each call (the
+    graph's routing decides per token; the fraction of calls in which each routed block did its work is
+    reported). A timed call is what one step of `generate` costs: the graph, then `CacheSpec.write_rows` storing
+    its K/V in place (lengths are put back, untimed, after each call, so every call sees the same cache).
+    Returns one dict: {"provider", "forward": {...}, "decode": {...}} with latency_ms (median), min_ms, p90_ms and
+    tokens_per_s. `threads`: onnxruntime intra-op threads (0 = its default); match torch.get_num_threads() for a
+    fair comparison.
     """
-    if batch < 1 or seq_len < 1 or cache_tokens < 0 or repeats < 1 or warmup < 0:
-        raise ValueError("batch, seq_len and repeats must be >= 1; cache_tokens and warmup >= 0")
+    if batch < 1 or seq_len < 1 or cache_tokens < 0 or repeats < 1 or warmup < 0 or (
+            routed_cache_tokens is not None and routed_cache_tokens < 0):
+        raise ValueError("batch, seq_len and repeats must be >= 1; cache_tokens, routed_cache_tokens and warmup >= 0")
     bundle = load_bundle(path, provider=provider, verify=False, allow_invalid=True, threads=threads)
     rng = np.random.default_rng(seed)
     results: dict[str, Any] = {"bundle": str(path), "provider": bundle.active_provider}
@@ -50,33 +61,42 @@ def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_t
         results["forward"] = {"batch": batch, "seq_len": seq_len, **stats,
                               "tokens_per_s": batch * seq_len / (stats["latency_ms"] / 1000)}
     if bundle.decode_info is not None and bundle.decode_info.get("kind") == "onnx":
-        results["decode"] = _time_decode(bundle, batch, cache_tokens, repeats, warmup, rng)
+        results["decode"] = _time_decode(bundle, batch, cache_tokens, routed_cache_tokens, repeats, warmup, rng)
     return results
 
 
-def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, repeats: int, warmup: int, rng: np.random.Generator
-                 ) -> dict[str, Any]:
+def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, routed_cache_tokens: int | None, repeats: int,
+                 warmup: int, rng: np.random.Generator) -> dict[str, Any]:
+    bundle.session("decode")  # a clear error for a bundle whose decode graph this runtime refuses
     spec = bundle.cache_spec
-    feeds = spec.allocate(batch, cache_tokens + 1)
     num, den = spec.capacity
-    for layer in range(spec.n_layers):
-        stored = max(1, cache_tokens * num // den) if layer in spec.routed_layers else cache_tokens
-        stored = min(stored, cache_tokens)
-        feeds[f"lengths.{layer}"][:] = stored
-        for name in ("keys", "values"):
-            buffer = feeds[f"{name}.{layer}"]
-            buffer[:] = rng.standard_normal(buffer.shape).astype(buffer.dtype)
+    routed_default = min(cache_tokens, max(1, cache_tokens * num // den))
+    stored = {layer: cache_tokens if spec.writes_every_row(layer) else
+              (routed_default if routed_cache_tokens is None else routed_cache_tokens) for layer in range(spec.n_layers)}
+    dtype = NUMPY_DTYPES[spec.dtype]
+    feeds: dict[str, np.ndarray] = {}
+    for layer, tokens in stored.items():
+        shape = (batch, spec.n_heads, tokens + 1, spec.head_dim)  # room for the step's own K/V
+        feeds[f"keys.{layer}"] = rng.standard_normal(shape).astype(dtype)
+        feeds[f"values.{layer}"] = rng.standard_normal(shape).astype(dtype)
+        feeds[f"lengths.{layer}"] = np.full(batch, tokens, dtype=np.int64)
     feeds["positions"] = np.full(batch, cache_tokens, dtype=np.int64)
-    spec.ensure_room(feeds)
     processed = {layer: 0 for layer in spec.routed_layers}
 
     def one_step() -> None:
         feeds["tokens"] = rng.integers(0, bundle.vocab_size, batch, dtype=np.int64)
         outputs = bundle.decode_step(feeds)
+        spec.write_rows(feeds, outputs)
         for layer in processed:
             processed[layer] += bool(outputs[f"processed.{layer}"].any())
 
-    stats = _summary(_latencies_ms(one_step, repeats, warmup))
+    def reset() -> None:
+        for layer, tokens in stored.items():
+            feeds[f"lengths.{layer}"][:] = tokens
+
+    stats = _summary(_latencies_ms(one_step, repeats, warmup, reset))
     calls = repeats + warmup
-    return {"batch": batch, "cache_tokens": cache_tokens, **stats, "tokens_per_s": batch / (stats["latency_ms"] / 1000),
+    routed = [stored[layer] for layer in spec.processed_row_layers]
+    return {"batch": batch, "cache_tokens": cache_tokens, "routed_cache_tokens": routed[0] if routed else None,
+            **stats, "tokens_per_s": batch / (stats["latency_ms"] / 1000),
             "calls_with_block_work": {f"block{layer}": n / calls for layer, n in processed.items()}}

@@ -15,7 +15,11 @@ from typing import Any
 import numpy as np
 
 FORMAT = "modcli-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the decode graph reads the KV cache and returns only the new token's K/V (the runtime writes them in place);
+1: it returned the whole updated cache every step (its decode graph is refused, its forward graph still runs)."""
+DECODE_FORMAT_VERSION = 2
+"""The oldest bundle format whose decode graph this runtime runs."""
 PROVIDERS = ("auto", "cpu", "cuda")
 ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -70,7 +74,7 @@ def _check_manifest(manifest: dict[str, Any], path: Path) -> None:
                                               for entry in files.values()):
         raise BundleError(f"{path} is damaged: files must map each file to its sha256")
     decode = graphs.get("decode")
-    if decode is not None:
+    if decode is not None and manifest.get("format_version", 0) >= DECODE_FORMAT_VERSION:
         try:
             CacheSpec.from_manifest(decode)
             [spec["name"] for spec in decode["inputs"]] + [spec["name"] for spec in decode["outputs"]]
@@ -118,7 +122,13 @@ def create_session(path: Path, providers: list[str], strict_provider: str | None
 
 @dataclass
 class CacheSpec:
-    """The decode graph's KV cache: one (B, H, slots, hd) pair and one (B,) length vector per layer."""
+    """The decode graph's KV cache: one (B, Hkv, slots, hd) pair and one (B,) length vector per layer.
+
+    The graph only reads it; after each step `write_rows` stores the step's K/V (outputs new_keys.L/new_values.L,
+    (B, Hkv, 1, hd)) at slot lengths.L[b] of these numpy buffers, in place, and adds 1 to lengths.L[b]: for every
+    row in a layer outside `processed_row_layers`, and only for rows with processed.L[b] true in the layers of
+    `processed_row_layers` (attention-routed layers). Buffers grow by doubling when a row's next slot would not fit.
+    """
 
     n_layers: int
     n_heads: int
@@ -126,19 +136,30 @@ class CacheSpec:
     dtype: str
     routed_layers: list[int]
     capacity: tuple[int, int]
+    processed_row_layers: list[int]
+    """Layers where only the rows that processed the token store its K/V (attention is routed); every other layer
+    stores every row's."""
 
     @classmethod
     def from_manifest(cls, decode: dict[str, Any]) -> CacheSpec:
         cache = decode["cache"]
-        return cls(cache["n_layers"], cache["n_heads"], cache["head_dim"], cache["dtype"],
-                   list(cache["routed_layers"]), tuple(cache["capacity"]))
+        spec = cls(int(cache["n_layers"]), int(cache["n_heads"]), int(cache["head_dim"]), cache["dtype"],
+                   [int(layer) for layer in cache["routed_layers"]], tuple(cache["capacity"]),
+                   [int(layer) for layer in cache["processed_row_layers"]])
+        if spec.dtype not in NUMPY_DTYPES or not set(spec.processed_row_layers) <= set(spec.routed_layers):
+            raise ValueError("bad cache description")
+        return spec
+
+    def writes_every_row(self, layer: int) -> bool:
+        return layer not in self.processed_row_layers
 
     def initial_slots(self, layer: int, max_tokens: int) -> int:
-        """Dense layers hold every token; routed ones start at twice the top-k share and grow when full."""
-        if layer not in self.routed_layers:
-            return max_tokens
+        """Layers that store every row hold every token; attention-routed ones start at twice the top-k share and
+        grow when full."""
+        if self.writes_every_row(layer):
+            return max(1, max_tokens)
         num, den = self.capacity
-        return min(max_tokens, max(16, 2 * max(1, max_tokens * num // den)))
+        return max(1, min(max_tokens, max(16, 2 * max(1, max_tokens * num // den))))
 
     def allocate(self, batch: int, max_tokens: int) -> dict[str, np.ndarray]:
         dtype = NUMPY_DTYPES[self.dtype]
@@ -151,16 +172,43 @@ class CacheSpec:
         return feeds
 
     def ensure_room(self, feeds: dict[str, np.ndarray]) -> None:
-        """Grow a layer's buffers (doubling) when some row's next slot would not fit; the graph writes at lengths."""
+        """Grow each layer's buffers (doubling) so that every row's next slot fits."""
         for layer in range(self.n_layers):
-            keys = feeds[f"keys.{layer}"]
-            needed = int(feeds[f"lengths.{layer}"].max()) + 1
-            if needed <= keys.shape[2]:
+            self._grow(feeds, layer, int(feeds[f"lengths.{layer}"].max()) + 1)
+
+    @staticmethod
+    def _grow(feeds: dict[str, np.ndarray], layer: int, needed: int) -> None:
+        """At least `needed` slots in the layer's buffers: doubling, so a copy happens O(log tokens) times."""
+        keys = feeds[f"keys.{layer}"]
+        if needed <= keys.shape[2]:
+            return
+        slots = max(needed, 2 * keys.shape[2])
+        for name in ("keys", "values"):
+            old = feeds[f"{name}.{layer}"]
+            grown = np.zeros((*old.shape[:2], slots, old.shape[3]), dtype=old.dtype)
+            grown[:, :, :old.shape[2]] = old
+            feeds[f"{name}.{layer}"] = grown
+
+    def write_rows(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
+        """Store one decode step's K/V in the cache buffers of `feeds`, in place, and advance their lengths.
+
+        Row b's new_keys.L/new_values.L go to slot lengths.L[b] for every row of a layer that writes every row,
+        and only for rows with processed.L[b] true in `processed_row_layers`; those rows' lengths grow by one. Only
+        the written rows are touched (a buffer is reallocated only when it must grow).
+        """
+        batch = feeds[f"lengths.{0}"].shape[0] if self.n_layers else 0
+        every_row = np.arange(batch)
+        for layer in range(self.n_layers):
+            rows = every_row if self.writes_every_row(layer) else np.flatnonzero(outputs[f"processed.{layer}"])
+            if rows.size == 0:
                 continue
-            grow = max(needed, 2 * keys.shape[2]) - keys.shape[2]
-            pad = np.zeros((*keys.shape[:2], grow, keys.shape[3]), dtype=keys.dtype)
-            feeds[f"keys.{layer}"] = np.concatenate([keys, pad], axis=2)
-            feeds[f"values.{layer}"] = np.concatenate([feeds[f"values.{layer}"], pad], axis=2)
+            lengths = feeds[f"lengths.{layer}"]
+            slots = lengths[rows]  # (n,)
+            self._grow(feeds, layer, int(slots.max()) + 1)
+            for name in ("keys", "values"):
+                # (n, Hkv, hd) into (B, Hkv, S, hd) at [row, :, slot, :]
+                feeds[f"{name}.{layer}"][rows, :, slots] = outputs[f"new_{name}.{layer}"][rows, :, 0]
+            lengths[rows] = slots + 1
 
 
 class Bundle:
@@ -190,7 +238,14 @@ class Bundle:
         graphs = self.manifest.get("graphs", {})
         self.forward_info = graphs.get("forward")
         self.decode_info = graphs.get("decode")
-        if self.decode_info is not None:
+        self.format_version = int(self.manifest.get("format_version", 0))
+        self.decode_refused: str | None = None
+        """Why this runtime will not run the bundle's decode graph (None when it will)."""
+        if self.decode_info is not None and self.format_version < DECODE_FORMAT_VERSION:
+            self.decode_refused = (f"{self.path}: its decode graph is bundle format {self.format_version} (it returns "
+                                   f"the whole KV cache every step); this runtime needs format "
+                                   f"{DECODE_FORMAT_VERSION}: re-export it with `modcli export`")
+        elif self.decode_info is not None:
             self.cache_spec = CacheSpec.from_manifest(self.decode_info)
             self.decode_inputs = [spec["name"] for spec in self.decode_info["inputs"]]
             self.decode_outputs = [spec["name"] for spec in self.decode_info["outputs"]]
@@ -209,6 +264,8 @@ class Bundle:
                 raise BundleError(f"{self.path}: {name} does not match its sha256 in manifest.json (damaged bundle)")
 
     def session(self, graph: str):
+        if graph == "decode" and self.decode_refused:
+            raise BundleError(self.decode_refused)
         if graph not in self._sessions:
             info = self.manifest["graphs"].get(graph)
             if info is None or info.get("kind") != "onnx":
@@ -218,10 +275,12 @@ class Bundle:
 
     @property
     def active_provider(self) -> str:
-        return self.session("decode" if self.decode_info is not None else "forward").get_providers()[0]
+        decode = self.decode_info is not None and not self.decode_refused
+        return self.session("decode" if decode else "forward").get_providers()[0]
 
     def decode_step(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One token per row: feeds `tokens`, `positions` and the cache -> logits, next cache, processed flags."""
+        """One token per row: feeds `tokens`, `positions` and the (read-only) cache -> logits, this step's K/V per
+        layer (new_keys.L, new_values.L) and processed flags; `cache_spec.write_rows(feeds, outputs)` stores them."""
         outputs = self.session("decode").run(self.decode_outputs, {name: feeds[name] for name in self.decode_inputs})
         return dict(zip(self.decode_outputs, outputs, strict=True))
 

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         bundle = load_bundle(args.bundle, provider=args.provider, verify=not args.no_verify,
                              allow_invalid=args.allow_invalid, threads=args.threads)
+        bundle.session("decode")  # a bundle that cannot decode says so before anything is written
         stream = None
         if not args.json and len(prompts) == 1:
             sys.stdout.write(prompts[0])

@@ -1,5 +1,9 @@
 """Decoding with the exported decode-step graph: prompt, KV cache, sampling, streaming. numpy only.
 
+The KV cache lives in preallocated numpy buffers (`CacheSpec.allocate`); the graph only reads them and returns
+this step's K/V, which `CacheSpec.write_rows` stores at each row's next slot in place, so a step copies nothing
+in the size of the cache (onnxruntime's CPU provider reads numpy inputs where they are).
+
 The prompt is fed through the same decode graph one token per step, so the cache is filled by exactly the
 causal router/predictor decisions `modcli generate` makes (its PyTorch prefill is one causal forward; the two
 agree to float rounding). Every row of a batch moves one token per step: a row still reading its prompt feeds
@@ -91,6 +95,9 @@ class Generation:
     """Per row: tokens fed through the graph (prompt + all generated tokens but the last)."""
     logits: list[np.ndarray] | None = field(default=None, repr=False)
     """With `return_logits`: per row, (max_new_tokens, V) logits each new token was sampled from."""
+    cache_lengths: dict[int, list[int]] = field(default_factory=dict)
+    """Per layer, per row: tokens held in the row's KV cache once its `fed_tokens` were fed (what the cache of
+    `modcli generate` holds at its end; rows that finish early keep feeding their last token, not counted here)."""
 
     @property
     def processed_fraction(self) -> dict[str, float]:
@@ -165,6 +172,7 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
     new_tokens: list[list[int]] = [[] for _ in encoded]
     kept_logits: list[list[np.ndarray]] = [[] for _ in encoded]
     processed = {layer: np.zeros(batch, dtype=np.int64) for layer in cache_spec.routed_layers}
+    cache_lengths = np.zeros((cache_spec.n_layers, batch), dtype=np.int64)  # (L, B)
     last = np.zeros(batch, dtype=np.int64)
 
     start = time.perf_counter()
@@ -174,14 +182,13 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
         prompt_tokens = np.array([p[position] if position < len(p) else 0 for p in encoded], dtype=np.int64)
         feeds["tokens"] = np.where(reading, prompt_tokens, last)
         feeds["positions"] = np.full(batch, position, dtype=np.int64)
-        cache_spec.ensure_room(feeds)
         outputs = step(feeds)
-        for layer in range(cache_spec.n_layers):
-            for name in ("keys", "values", "lengths"):
-                feeds[f"{name}.{layer}"] = outputs[f"next_{name}.{layer}"]
+        cache_spec.write_rows(feeds, outputs)  # this step's K/V into the cache buffers, in place
         active = position < lengths + max_new_tokens - 1  # (B,) rows whose fed token counts
         for layer in processed:
             processed[layer] += outputs[f"processed.{layer}"].astype(np.int64) * active
+        for layer in range(cache_spec.n_layers):
+            cache_lengths[layer] = np.where(active, feeds[f"lengths.{layer}"], cache_lengths[layer])
         sampling = (position >= lengths - 1) & (position < lengths + max_new_tokens - 1)  # (B,)
         if not sampling.any():
             continue
@@ -208,7 +215,8 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
         tokens_per_s=batch * max_new_tokens / max(total_s, 1e-9),
         processed_tokens={layer: counts.tolist() for layer, counts in processed.items()},
         fed_tokens=[len(p) + max_new_tokens - 1 for p in encoded],
-        logits=[np.stack(rows) for rows in kept_logits] if return_logits else None)
+        logits=[np.stack(rows) for rows in kept_logits] if return_logits else None,
+        cache_lengths={layer: cache_lengths[layer].tolist() for layer in range(cache_spec.n_layers)})
 
 
 class Utf8Stream:
