@@ -75,32 +75,67 @@ def test_forward_wrapper_equals_the_model_topk_forward():
             assert torch.equal(selected, record.selection.selected_idx)
 
 
-@pytest.mark.parametrize("routing", ["router", "predictor"])
+@pytest.mark.parametrize("routing, part, kv_heads", [("router", "block", 0), ("predictor", "block", 2),
+                                                    ("router", "mlp", 0), ("router", "attention", 2)])
 @torch.no_grad()
-def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing):
+def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing, part, kv_heads):
+    """The read-only decode graph plus `write_new_rows` into static buffers = eager decode_step, for every
+    --route-part and grouped key/value heads; the graph's new rows have slot dim 1."""
     torch.manual_seed(0)
-    model = MoDDecoder(tiny_model_config()).eval()
+    model = MoDDecoder(tiny_model_config(route_part=part, n_kv_heads=kv_heads)).eval()
     for block in model.blocks:
         if block.router is not None:
             block.router.score.bias.fill_(0.0)
     config = model.config
     wrapper = DecodeStepGraph(model, routing)
+    assert wrapper.processed_row_layers == (() if part == "mlp" else tuple(config.routed_layers()))
+    assert all(wrapper.writes_every_row(layer) == (layer not in wrapper.processed_row_layers)
+               for layer in range(config.n_layers))
     batch, steps = 3, 20
     tokens = torch.randint(0, 256, (batch, steps))
     cache = DecoderCache.allocate(config, batch, steps, torch.device("cpu"))
-    flat = []
+    flat = []  # static buffers of `steps` slots, written in place (gpt-fast style)
     for _ in range(config.n_layers):
-        flat += [torch.zeros(batch, config.n_heads, steps, config.head_dim),
-                 torch.zeros(batch, config.n_heads, steps, config.head_dim), torch.zeros(batch, dtype=torch.long)]
+        flat += [torch.zeros(batch, config.kv_heads, steps, config.head_dim),
+                 torch.zeros(batch, config.kv_heads, steps, config.head_dim), torch.zeros(batch, dtype=torch.long)]
+    buffers = [t.data_ptr() for t in flat]
     for t in range(steps):
         expected = model.decode_step(tokens[:, t], cache, routing)
         outputs = wrapper(tokens[:, t], torch.full((batch,), t), *flat)
+        assert len(outputs) == len(wrapper.output_names)
+        assert all(o.shape == (batch, config.kv_heads, 1, config.head_dim) for o in outputs[1:1 + 2 * config.n_layers])
         torch.testing.assert_close(outputs[0], expected, atol=ATOL, rtol=0)
-        flat = list(outputs[1:1 + 3 * config.n_layers])
+        wrapper.write_outputs(outputs, flat)
+    assert [t.data_ptr() for t in flat] == buffers  # written in place
     for layer in range(config.n_layers):
-        assert flat[3 * layer + 2].tolist() == cache.layers[layer].lengths.tolist()
-    routed = config.routed_layers()
+        lengths = cache.layers[layer].lengths
+        assert flat[3 * layer + 2].tolist() == lengths.tolist()
+        for row in range(batch):  # the stored K/V equal the eager cache's, slot for slot
+            stored = int(lengths[row])
+            torch.testing.assert_close(flat[3 * layer][row, :, :stored], cache.layers[layer].keys[row, :, :stored],
+                                       atol=1e-5, rtol=0)
+    routed = [layer for layer in config.routed_layers() if config.attention_is_routed(layer)]
     assert all(0 < cache.layers[layer].lengths.sum() < batch * steps for layer in routed)  # both branches used
+
+
+def test_write_new_rows_writes_only_the_rows_that_keep_their_kv_in_place():
+    from modcli.export_graphs import write_new_rows
+
+    keys, values = torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)
+    before_keys, before_values = keys.clone(), values.clone()
+    lengths = torch.tensor([0, 2, 4])  # row 2 is full
+    new_keys, new_values = torch.randn(3, 2, 1, 5), torch.randn(3, 2, 1, 5)
+    writes = torch.tensor([True, False, False])
+    new_lengths = write_new_rows(keys, values, lengths, new_keys, new_values, writes)
+    assert new_lengths.tolist() == [1, 2, 4] and lengths.tolist() == [0, 2, 4]
+    assert torch.equal(keys[0, :, 0], new_keys[0, :, 0]) and torch.equal(values[0, :, 0], new_values[0, :, 0])
+    assert torch.equal(keys[0, :, 1:], before_keys[0, :, 1:])
+    assert torch.equal(keys[1:], before_keys[1:]) and torch.equal(values[1:], before_values[1:])  # bit for bit
+    assert write_new_rows(keys, values, new_lengths, new_keys, new_values, None).tolist() == [2, 3, 5]
+    assert torch.equal(keys[1, :, 2], new_keys[1, :, 0]) and torch.equal(values[0, :, 1], new_values[0, :, 0])
+    compiled = torch.compile(write_new_rows, fullgraph=True, dynamic=False)  # static shapes, no graph break
+    assert compiled(keys, values, torch.tensor([3, 0, 1]), new_keys, new_values, writes).tolist() == [4, 0, 1]
+    assert torch.equal(keys[0, :, 3], new_keys[0, :, 0])
 
 
 @torch.no_grad()
@@ -172,7 +207,16 @@ def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     assert forward["inputs"] == [{"name": "tokens", "shape": ["batch", "seq"], "dtype": "int64"}]
     assert forward["outputs"][0] == {"name": "logits", "shape": ["batch", "seq", 256], "dtype": "float32"}
     assert forward["outputs"][1]["shape"] == ["batch", "capacity"]
+    assert manifest["format_version"] == 2
     assert decode["inputs"][2] == {"name": "keys.0", "shape": ["batch", 4, "slots.0", 8], "dtype": "float32"}
+    # The decode graph returns only this step's K/V: slot dim 1, never a cache-sized output.
+    assert [o["name"] for o in decode["outputs"]] == [
+        "logits", *[f"new_{kind}.{layer}" for layer in range(4) for kind in ("keys", "values")],
+        "processed.1", "processed.3"]
+    assert all(o["shape"] == ["batch", 4, 1, 8] for o in decode["outputs"][1:9])
+    cache = decode["cache"]
+    assert cache["every_row_layers"] == [0, 2] and cache["processed_row_layers"] == [1, 3]
+    assert "in place" in cache["update"]
     checks = manifest["validation"]["checks"]
     assert {c["graph"] for c in checks} == {"forward", "decode"} and all(c["passed"] for c in checks)
     assert any("B=3" in c["case"] for c in checks if c["graph"] == "decode")
@@ -209,14 +253,12 @@ def test_onnx_decode_graph_equals_the_causal_forward(bundle, trained_run):
     with torch.no_grad():
         logits, records = model(tokens, "router", return_records=True)
     feeds = runtime.cache_spec.allocate(3, 30)
+    assert feeds["keys.1"].shape[2] < 30  # routed buffers start small and grow by doubling in write_rows
     stepped, processed = [], []
     for t in range(30):
         feeds["tokens"], feeds["positions"] = tokens[:, t].numpy(), np.full(3, t)
-        runtime.cache_spec.ensure_room(feeds)
         outputs = runtime.decode_step(feeds)
-        for layer in range(model.config.n_layers):
-            for name in ("keys", "values", "lengths"):
-                feeds[f"{name}.{layer}"] = outputs[f"next_{name}.{layer}"]
+        runtime.cache_spec.write_rows(feeds, outputs)
         stepped.append(outputs["logits"])
     assert np.abs(np.stack(stepped, axis=1) - logits.numpy()).max() <= ATOL
     for record in records:
@@ -225,17 +267,38 @@ def test_onnx_decode_graph_equals_the_causal_forward(bundle, trained_run):
     assert all(0 < p < 90 for p in processed)  # processed and skipped tokens both happened
 
 
-def test_decode_graph_skips_a_routed_block_with_an_if(bundle):
-    """Each routed block sits in an If whose skip branch holds no MatMul: a skipped batch does no block work."""
+def onnx_names_read(graph) -> set[str]:
+    """Every value name the nodes of an ONNX graph read, nested subgraphs included."""
+    import onnx
+
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                names |= onnx_names_read(attribute.g)
+    return names
+
+
+def test_decode_graph_skips_a_routed_block_with_an_if_that_reads_no_cache(bundle):
+    """Each routed block sits in an If whose skip branch holds no MatMul and reads no keys/values/lengths input:
+    a skipped batch does no block work and touches no cache memory."""
     import onnx
 
     model = onnx.load(str(bundle / "decode.onnx"))
+    cache_inputs = {i.name for i in model.graph.input if i.name.split(".")[0] in ("keys", "values", "lengths")}
     ifs = [node for node in model.graph.node if node.op_type == "If"]
     assert len(ifs) == len(tiny_model_config().routed_layers())
-    for node in ifs:
+    for node, layer in zip(ifs, tiny_model_config().routed_layers(), strict=True):
         branches = {a.name: a.g for a in node.attribute}
         assert any(n.op_type == "MatMul" for n in branches["then_branch"].node)
+        assert {f"keys.{layer}", f"values.{layer}"} <= onnx_names_read(branches["then_branch"])
         assert not any(n.op_type in ("MatMul", "Softmax") for n in branches["else_branch"].node)
+        assert not onnx_names_read(branches["else_branch"]) & cache_inputs
+    # Nothing outside the Ifs reads a routed layer's keys or values: the skip is complete.
+    outside = {name for n in model.graph.node if n.op_type != "If" for name in n.input}
+    assert not outside & {f"{kind}.{layer}" for layer in tiny_model_config().routed_layers()
+                          for kind in ("keys", "values")}
 
 
 def test_aot_inductor_package_runs_and_matches(tmp_path):

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_export import exported_bundle
+from tests.conftest import make_corpus_text
+from tests.test_export import ATOL, exported_bundle, random_checkpoint
 
 EXPORT_DIR = Path(__file__).resolve().parents[1] / "export"
 
@@ -161,3 +162,110 @@ def test_time_bundle_reports_latencies_for_profile(bundle):
     assert timings["forward"]["latency_ms"] > 0 and timings["forward"]["seq_len"] == 16
     assert timings["decode"]["latency_ms"] > 0 and timings["decode"]["batch"] == 2
     assert set(timings["decode"]["calls_with_block_work"]) == {"block1", "block3"}
+    assert timings["decode"]["routed_cache_tokens"] == 6  # the top-k share (capacity 1/4) of 24 by default
+    timings = time_bundle(bundle, seq_len=4, cache_tokens=8, routed_cache_tokens=300, repeats=2, warmup=0)
+    assert timings["decode"]["cache_tokens"] == 8 and timings["decode"]["routed_cache_tokens"] == 300
+
+
+# ----------------------------------------------------------------------------------------------- the KV cache
+
+
+def test_cache_spec_writes_rows_in_place_and_grows_by_doubling():
+    from modcli_runtime import CacheSpec
+
+    spec = CacheSpec(n_layers=2, n_heads=2, head_dim=3, dtype="float32", routed_layers=[1], capacity=(1, 8),
+                     processed_row_layers=[1])
+    feeds = spec.allocate(batch=3, max_tokens=200)
+    assert feeds["keys.0"].shape == (3, 2, 200, 3) and feeds["keys.1"].shape == (3, 2, 50, 3)
+    dense_buffer = feeds["keys.0"]
+    rng = np.random.default_rng(0)
+    stored: dict[int, list[list[np.ndarray]]] = {0: [[], [], []], 1: [[], [], []]}
+    for step in range(60):
+        outputs = {f"new_{kind}.{layer}": rng.standard_normal((3, 2, 1, 3)).astype(np.float32)
+                   for layer in range(2) for kind in ("keys", "values")}
+        outputs["processed.1"] = np.array([True, step % 3 == 0, False])
+        spec.write_rows(feeds, outputs)
+        for layer in range(2):
+            for row in range(3):
+                if layer == 0 or outputs["processed.1"][row]:
+                    stored[layer][row].append(outputs[f"new_keys.{layer}"][row, :, 0])
+    assert feeds["keys.0"] is dense_buffer  # written in place, never reallocated
+    assert feeds["lengths.0"].tolist() == [60, 60, 60] and feeds["lengths.1"].tolist() == [60, 20, 0]
+    assert feeds["keys.1"].shape[2] == 100  # 50 slots doubled once, when row 0 needed its 51st
+    for layer in range(2):
+        for row in range(3):
+            kept = feeds[f"lengths.{layer}"][row]
+            assert np.array_equal(feeds[f"keys.{layer}"][row, :, :kept].transpose(1, 0, 2),
+                                  np.array(stored[layer][row]).reshape(kept, 2, 3))
+
+
+ROUTERS = {"topk-mlp": dict(route_part="mlp", n_layers=2),
+           "threshold-block": dict(router="threshold", predictor_hidden=0, n_layers=2)}
+
+
+@pytest.fixture(scope="module")
+def decode_only_bundles(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Untrained checkpoints of other routers / route parts, decode graph only: {case: (checkpoint, bundle)}."""
+    from modcli.export_bundle import ExportConfig, export
+
+    root = tmp_path_factory.mktemp("decode-bundles")
+    bundles = {}
+    for case, overrides in ROUTERS.items():
+        checkpoint = random_checkpoint(root / case, **overrides)
+        result = export(ExportConfig(checkpoint=str(checkpoint), out=str(root / f"{case}-bundle"), provider="cpu",
+                                     graphs=["decode"], decode_steps=2))
+        assert result.valid, result.failures
+        bundles[case] = (checkpoint, root / f"{case}-bundle")
+    return bundles
+
+
+@pytest.mark.parametrize("case", ["topk-block", *ROUTERS])
+def test_runtime_decode_equals_eager_generate_with_the_kv_cache(case, bundle, trained_run, decode_only_bundles):
+    """The runtime's decode (read-only graph + in-place row writes) = `modcli generate`'s eager prefill and
+    decode_step: logits within atol, greedy tokens, processed counts and KV cache lengths per layer, for one prompt
+    and for a padded batch of prompts of different lengths."""
+    from modcli_runtime import generate_tokens, load_bundle
+
+    from modcli.checkpoint import load_model_from
+    from modcli.export_validation import eager_generation
+
+    checkpoint, folder = (trained_run, bundle) if case == "topk-block" else decode_only_bundles[case]
+    model, _, _ = load_model_from(checkpoint)
+    routing = model.causal_modes()[0]
+    runtime = load_bundle(folder)
+    text = list(make_corpus_text()[:40].encode())
+    noise = np.random.default_rng(5).integers(0, 256, 40).tolist()
+    processed_any, skipped_any = False, False
+    for prompts in ([text[:17]], [text[3:12], noise[:3], text[20:34]]):
+        reference = eager_generation(model, prompts, 10, routing)
+        got = generate_tokens(runtime.decode_step, runtime.cache_spec, prompts, vocab_size=256, max_new_tokens=10,
+                              temperature=0, return_logits=True)
+        assert got.tokens == reference.tokens
+        assert max(float(np.abs(mine - ref).max()) for mine, ref in zip(got.logits, reference.logits)) <= ATOL
+        assert {layer: got.processed_tokens[layer] for layer in reference.processed} == reference.processed
+        assert got.cache_lengths == reference.cache_lengths
+        counts = np.array(list(got.processed_tokens.values()))  # (routed layers, B)
+        processed_any |= bool((counts > 0).any())
+        skipped_any |= bool((counts < np.array(got.fed_tokens)).any())
+    assert processed_any and skipped_any  # both branches of the routed blocks ran
+
+
+def test_a_version_1_bundle_runs_its_forward_graph_but_refuses_its_decode_graph(bundle, tmp_path):
+    from modcli_runtime import BundleError, load_bundle
+
+    old = tmp_path / "v1"
+    shutil.copytree(bundle, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    for key in ("every_row_layers", "processed_row_layers", "update"):
+        del manifest["graphs"]["decode"]["cache"][key]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    runtime = load_bundle(old)
+    logits, _ = runtime.forward(np.zeros((1, 5), dtype=np.int64))
+    assert logits.shape == (1, 5, 256)
+    with pytest.raises(BundleError, match="re-export it with `modcli export`"):
+        runtime.generate(["a"], max_new_tokens=2)
+    result = run_without_torch(str(old), "--prompt", "x")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "re-export it with `modcli export`" in result.stderr
