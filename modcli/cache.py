@@ -17,6 +17,7 @@ class LayerKVCache:
     def __init__(self, batch: int, n_heads: int, head_dim: int, slots: int, max_slots: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.max_slots = max_slots
+        self.static = slots == max_slots  # never grows: buffers keep their address (compiled steps, CUDA graphs)
         self.keys = torch.zeros(batch, n_heads, slots, head_dim, device=device, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
@@ -27,7 +28,7 @@ class LayerKVCache:
         return self.keys.shape[2]
 
     def _ensure_slots(self, needed: int) -> None:
-        if needed <= self.slots:
+        if self.static or needed <= self.slots:
             return
         new_slots = min(max(needed, 2 * self.slots), max(needed, self.max_slots))
         grow = new_slots - self.slots
@@ -42,7 +43,8 @@ class LayerKVCache:
         self.keys[rows, :, :k] = keys.to(self.keys.dtype)
         self.values[rows, :, :k] = values.to(self.values.dtype)
         self.lengths[rows] = counts
-        self.max_length = max(self.max_length, k)
+        if not torch.compiler.is_compiling():  # compiled, k is a symbolic size; static decoding reads lengths only
+            self.max_length = max(self.max_length, k)
 
     def append(self, rows: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Decode: write one token per row (keys (n, H, 1, hd)) at its sequence's next slot.
@@ -113,11 +115,13 @@ class DecoderCache:
 
     @classmethod
     def allocate(cls, config, batch: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> DecoderCache:
-        """Dense layers get `max_tokens` slots up front; routed layers start at the top-k share and grow."""
+                 dtype: torch.dtype = torch.float32, static: bool = False) -> DecoderCache:
+        """Dense layers get `max_tokens` slots up front; routed layers start at the top-k share and grow, unless
+        `static` (every layer preallocated for max_tokens, gpt-fast style: fixed shapes and addresses for a compiled
+        decode step, at the price of the memory a routed layer would save)."""
         layers = []
         for layer in range(config.n_layers):
-            if config.attention_is_routed(layer):
+            if config.attention_is_routed(layer) and not static:
                 slots = min(max_tokens, max(16, 2 * config.capacity_tokens(max_tokens)))
             else:
                 slots = max_tokens

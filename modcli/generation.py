@@ -46,7 +46,8 @@ class GenerateConfig:
     dtype: str = "float32"
     """Autocast dtype; the KV cache is kept in this dtype."""
     compile: bool = False
-    """torch.compile the attention and MLP of each block (dynamic shapes)."""
+    """torch.compile the causal prefill and a static-shape decode step (preallocated KV cache, the skip of a routed
+    block in torch.cond; a CUDA graph on CUDA); the compile time is reported apart."""
     exit_threshold: float | None = None
     """Early-exit models: each new token leaves the blocks at the first exit whose top probability reaches this
     (modcli.early_exit; 1.0 = the full model); None = full depth."""
@@ -103,6 +104,10 @@ class GenerateResult:
     """--exit-threshold: blocks run per decoded token, on average (the model's depth = no exit)."""
     exit_blocks: dict[str, int] | None = None
     """--exit-threshold: decoded tokens per exit block (the last block = the full depth)."""
+    compile_s: float | None = None
+    """--compile: compiling the prefill and the decode step (their first calls), not in prefill_s or decode_s."""
+    graph_breaks: int | None = None
+    """--compile: graph breaks torch.compile met (0: prefill and decode step are one graph each)."""
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, uniforms: Tensor | None) -> Tensor:
@@ -132,15 +137,24 @@ def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, uniform
 
 
 def prefill(model: MoDDecoder, prompts: Sequence[bytes | list[int]], cache: DecoderCache, routing: str,
-            device: torch.device, dtype: str) -> Tensor:
-    """One causal forward over the right-padded prompts that fills the cache -> each row's next logits (B, V)."""
+            device: torch.device, dtype: str, static=None) -> Tensor:
+    """One causal forward over the right-padded prompts that fills the cache -> each row's next logits (B, V).
+
+    `static`: a `modcli.static_decode.StaticDecoder` whose cache is `cache`: its compiled prefill runs instead (after
+    compiling it and the decode step on these prompts, which is reported apart)."""
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)  # (B,)
     tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)  # (B, T) padding after each prompt
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = torch.tensor(list(prompt), dtype=torch.long)
     tokens, lengths = tokens.to(device), lengths.to(device)
     with autocast(device, dtype):
-        logits = model(tokens, routing, cache=cache, lengths=lengths)  # (B, T, V)
+        if static is not None:
+            static.warm_up(tokens, lengths)
+            start = time.perf_counter()
+            logits = static.prefill(tokens, lengths)  # (B, T, V)
+            static.prefill_s = time.perf_counter() - start
+        else:
+            logits = model(tokens, routing, cache=cache, lengths=lengths)  # (B, T, V)
     rows = torch.arange(len(prompts), device=device)
     return logits[rows, lengths - 1].float()  # (B, V) each row at its own last real token
 
@@ -162,10 +176,9 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         check_exit_decoding(model, config.exit_threshold, config.speculative)
         stats = ExitStats(f"confidence (exit at top probability >= {config.exit_threshold:g})"
                           if config.exit_threshold is not None else "")
-    if config.compile:
-        for block in model.blocks:
-            block.mlp = torch.compile(block.mlp, dynamic=True)
-            block.attn.qkv = torch.compile(block.attn.qkv, dynamic=True)
+    if config.compile and exits:
+        raise UserError("--compile decodes at full depth with a static cache; it does not combine with "
+                        "--exit-threshold or --speculative")
     prompts = [tokenizer.encode(p) for p in config.prompts]
     if not all(prompts):
         raise UserError("--prompt: a prompt encodes to no tokens")
@@ -175,7 +188,14 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         stderr_console.print(f"[yellow]note: {max_tokens} tokens exceed the training context of "
                              f"{model.config.seq_len}; positions beyond it were never trained[/]")
     spare = config.draft_tokens + 1 if config.speculative else 0  # a round's drafts may run past the last token
-    cache = DecoderCache.allocate(model.config, batch, max_tokens + spare, device, TORCH_DTYPES[config.dtype])
+    static = None
+    if config.compile:
+        from modcli.static_decode import StaticDecoder
+
+        static = StaticDecoder(model, batch, max_tokens, routing, device, config.dtype, compile=True)
+        cache = static.cache
+    else:
+        cache = DecoderCache.allocate(model.config, batch, max_tokens + spare, device, TORCH_DTYPES[config.dtype])
     uniforms = None
     if config.temperature > 0:  # the runtime's stream, moved to the device once: (N, B)
         uniforms = torch.from_numpy(sampling_uniforms(config.seed, config.max_new_tokens, batch))
@@ -185,9 +205,9 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
     start = time.perf_counter()
-    logits = prefill(model, prompts, cache, routing, device, config.dtype)
+    logits = prefill(model, prompts, cache, routing, device, config.dtype, static)
     _sync(device)
-    prefill_s = time.perf_counter() - start
+    prefill_s = time.perf_counter() - start if static is None else static.prefill_s
     streams = [TextPieces(tokenizer) for _ in prompts]
     start = time.perf_counter()
     for step in range(config.max_new_tokens if not config.speculative else 0):
@@ -205,6 +225,8 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
                 logits = logits.float()
                 for block in exit_block.tolist():
                     stats.exit_layers[f"block{block}"] = stats.exit_layers.get(f"block{block}", 0) + 1
+            elif static is not None:
+                logits = static.step(next_tokens).float()
             else:
                 logits = model.decode_step(next_tokens, cache, routing).float()
     outputs = new_tokens.T.tolist()  # (B, N)
@@ -226,6 +248,8 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
         kv_cache_allocated_bytes=cache.allocated_bytes(), dense_kv_cache_bytes=cache.dense_equivalent_bytes(),
         dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing,
+        compile_s=static.compile_stats.compile_s if static else None,
+        graph_breaks=static.compile_stats.graph_breaks if static else None,
         **(_exit_fields(stats, batch) if exits else {}))
 
 

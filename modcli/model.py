@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from modcli.cache import DecoderCache, LayerKVCache
 from modcli.config import ModelConfig
@@ -69,7 +70,9 @@ class Attention(nn.Module):
     def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, n, hd) and k, v (B, Hkv, n, hd), RoPE applied to q and k."""
         batch, n, _ = x.shape
-        q, k, v = (t.view(batch, n, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(self.sizes, dim=-1))
+        # explicit head counts, never -1: a compiled causal prefill's n may be 0, and -1 cannot be inferred then
+        q, k, v = (t.view(batch, n, size // self.head_dim, self.head_dim).transpose(1, 2)
+                   for t, size in zip(self.qkv(x).split(self.sizes, dim=-1), self.sizes, strict=True))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def share_kv(self, kv: Tensor) -> Tensor:
@@ -101,7 +104,7 @@ class Attention(nn.Module):
             seen_by = n - torch.arange(n, device=x.device)  # (n,) queries that can see each token
             received["scores"] = (probs.detach().sum(dim=2).mean(dim=1) / seen_by)  # (B, n)
             out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
-        return self.proj(out.transpose(1, 2).reshape(batch, n, -1))
+        return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
         """One new token per row (n, 1, D): append its K/V to the cache rows, attend to the row's cache."""
@@ -210,7 +213,7 @@ class Block(nn.Module):
         at their positions; every other token (and every padding slot) stays x bit for bit. With `cache`, their
         K/V are written to it (prefill)."""
         idx = selection.selected_idx  # (B, k)
-        if idx.shape[1] == 0:
+        if guard_or_false(idx.shape[1] == 0):  # compiled with k unknown: the general path handles k = 0 too
             if cache is not None:
                 cache.lengths[cache_rows] = 0
             return x  # no sequence processed any token: the block costs nothing
@@ -265,6 +268,8 @@ class MoDDecoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        # Looked up once: the registry's import lookup would break a torch.compile graph at every call.
+        self._capabilities = None if config.dense else router_class(config.router).capabilities
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self._add_head_and_initialise(self.blocks)
@@ -296,7 +301,7 @@ class MoDDecoder(nn.Module):
     @property
     def capabilities(self) -> RouterCapabilities | None:
         """The router kind's capabilities; None for a dense model (nothing is routed)."""
-        return None if self.config.dense else router_class(self.config.router).capabilities
+        return self._capabilities
 
     def routing_modes(self) -> tuple[str, ...]:
         """The routing modes of a full forward pass this model offers, its training mode first; () when dense."""

@@ -47,6 +47,7 @@ import torch
 
 from modcli.architectures import model_class
 from modcli.cache import DecoderCache
+from modcli.compiling import CompileStats, compile_module, first_call
 from modcli.config import DEVICES, DTYPES, ModelConfig, TrainConfig, require
 from modcli.errors import UserError
 from modcli.flops import counted_flops, flops, training_flops
@@ -56,6 +57,7 @@ from modcli.reporting import stderr_console
 from modcli.runtime import TORCH_DTYPES, autocast, device_name, resolve_device, seed_everything
 
 MEASUREMENTS = ("forward", "train", "decode")
+BACKENDS = ("eager", "compiled", "onnxruntime")
 CALIBRATION_SEED_OFFSET = 2**31
 """Calibration tokens use seed + 2**31 + T; timed tokens use seed + T, so the two never coincide."""
 CALIBRATION_ROWS = 8
@@ -108,8 +110,13 @@ class ProfileConfig:
     """auto, cpu, cuda or mps."""
     dtype: str = "float32"
     """Autocast dtype (weights stay float32; the KV cache uses this dtype)."""
+    backends: list[str] = field(default_factory=lambda: ["eager"])
+    """Which paths to time, each against the baseline in the same interleaved run: eager (PyTorch as is),
+    compiled (torch.compile: forward, training step, causal prefill, and the static-shape decode step of
+    `modcli.static_decode`; compile time reported apart), onnxruntime (both models exported to ONNX here and run
+    through the PyTorch-free runtime: forward and decode step)."""
     compile: bool = False
-    """torch.compile the forward and training step (decode runs eagerly); the compile time is reported apart."""
+    """Same as adding compiled to `backends` (the --compile flag)."""
     memory: bool = True
     """Measure peak memory in a fresh child process per measurement (a few seconds each)."""
     seed: int = 1337
@@ -137,6 +144,12 @@ class ProfileConfig:
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         require(self.plot is None or self.plot.lower().endswith(".png"), f"--plot must name a .png file, got {self.plot!r}")
+        require(bool(self.backends), "--backends: name at least one of " + ", ".join(BACKENDS))
+        for backend in self.backends:
+            require(backend in BACKENDS, f"--backends must be among {', '.join(BACKENDS)}, got {backend!r}")
+        if self.compile and "compiled" not in self.backends:
+            self.backends = [*self.backends, "compiled"]
+        self.compile = "compiled" in self.backends
 
 
 @dataclass
@@ -150,7 +163,9 @@ class Timing:
     """Tokens per second at the median latency (B x T per call; B per decode step)."""
     peak_mem_bytes: int | None = None
     compile_s: float | None = None
-    """With --compile: wall time of the first call (compilation plus one run)."""
+    """Compiled: wall time of the first call (compilation plus one run), never timed again."""
+    graph_breaks: int | None = None
+    """Compiled: graph breaks torch.compile met (0: one graph)."""
 
 
 @dataclass
@@ -187,6 +202,10 @@ class ModelProfile:
     """What a dense model of this shape allocates for the same tokens."""
     processed_fraction: dict[str, float] = field(default_factory=dict)
     """Per routed block: the share of the T + --decode-tokens tokens it processed under causal routing."""
+    compiled: dict[str, Timing] = field(default_factory=dict)
+    """--backends compiled: forward, train_step, prefill and decode through torch.compile."""
+    onnxruntime: dict[str, Timing] = field(default_factory=dict)
+    """--backends onnxruntime: forward and decode through the exported ONNX graphs and modcli_runtime."""
 
 
 @dataclass
@@ -235,6 +254,7 @@ class ProfileResult:
     decode_tokens: int
     routing: str
     compile: bool
+    backends: list[str]
     model: ModelInfo
     baseline: ModelInfo | None
     results: list[SeqLenProfile]
@@ -321,7 +341,8 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
     result = ProfileResult(
         device=str(device), device_name=device_name(device), dtype=config.dtype, torch_version=torch.__version__,
         threads=torch.get_num_threads(), batch_size=config.batch_size, repeats=config.repeats, warmup=config.warmup,
-        decode_tokens=config.decode_tokens, routing=config.routing, compile=config.compile, model=info,
+        decode_tokens=config.decode_tokens, routing=config.routing, compile=config.compile,
+        backends=config.backends, model=info,
         baseline=baseline_info, results=results,
         memory_method=MEMORY_METHOD if config.memory else "peak memory: not measured (--no-memory)",
         flops_note=FLOPS_NOTE, environment=_environment(), load_avg_start=load_start, load_avg_end=_load_avg(),
@@ -499,6 +520,33 @@ def decode_call(model: MoDDecoder, tokens: torch.Tensor, decode_tokens: int, rou
     return call
 
 
+def static_decode_call(static, tokens: torch.Tensor, decode_tokens: int, device: torch.device,
+                       dtype: str) -> Callable[[], dict[str, float]]:
+    """`decode_call` through a compiled `modcli.static_decode.StaticDecoder`: its compiled causal prefill, then
+    its compiled static-shape decode step, on the same tokens."""
+    batch = tokens.shape[0]
+    generator = torch.Generator().manual_seed(tokens.shape[1])
+    new_tokens = torch.randint(0, static.model.config.vocab_size, (decode_tokens, batch),
+                               generator=generator).to(device)
+
+    @torch.no_grad()
+    def call() -> dict[str, float]:
+        static.reset()
+        _sync(device)
+        start = time.perf_counter()
+        with autocast(device, dtype):
+            static.prefill(tokens)
+        _sync(device)
+        prefilled = time.perf_counter()
+        with autocast(device, dtype):
+            for step in range(decode_tokens):
+                static.step(new_tokens[step])
+        _sync(device)
+        return {"prefill": prefilled - start, "decode": (time.perf_counter() - prefilled) / decode_tokens}
+
+    return call
+
+
 # --- timing -----------------------------------------------------------------------------------------------------
 
 
@@ -530,71 +578,94 @@ def _timing(seconds: list[float], tokens_per_call: int, compile_s: float | None 
                   tokens_per_s=tokens_per_call / median if median > 0 else math.inf, compile_s=compile_s)
 
 
-def _first_call(call: Callable[[], dict[str, float]]) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_len: int, device: torch.device,
                      log: Callable[[str], None]) -> dict[str, ModelProfile]:
+    """Every measurement of every model at one T. Within a measurement, every (model, backend) call is interleaved
+    with the others, so drift of the machine hits all of them alike; compiled calls run once before (compile)."""
     batch = config.batch_size
+    compiled = "compiled" in config.backends
     tokens = {name: _tokens(m.config, batch, seq_len, config.seed, device) for name, m in models.items()}
     out = {name: ModelProfile(forward_flops_per_seq=flops(m.config, seq_len).total,
                               train_flops_per_seq=training_flops(m.config, seq_len))
            for name, m in models.items()}
 
+    def store(name: str, backend: str, quantity: str, timing: Timing) -> None:
+        if backend == "eager":
+            setattr(out[name], quantity, timing)
+        else:
+            getattr(out[name], backend)[quantity] = timing
+
+    def run(calls: dict[tuple[str, str], Callable[[], dict[str, float]]],
+            stats: dict[tuple[str, str], CompileStats], per_call: dict[str, int]) -> None:
+        samples = _interleaved({f"{n}:{b}": call for (n, b), call in calls.items()}, config.warmup, config.repeats)
+        for (name, backend) in calls:
+            for quantity, seconds in samples[f"{name}:{backend}"].items():
+                timing = _timing(seconds, per_call[quantity])
+                if (name, backend) in stats:
+                    timing.compile_s = stats[name, backend].compile_s
+                    timing.graph_breaks = stats[name, backend].graph_breaks
+                store(name, backend, quantity, timing)
+
     if "forward" in config.measure:
-        log(f"T={seq_len}: forward (training-mode routing), {config.repeats} timed calls each")
-        calls, compile_s = {}, {}
+        log(f"T={seq_len}: forward (training-mode routing), {config.repeats} timed calls each"
+            + (" (compiling first)" if compiled else ""))
+        calls, stats = {}, {}
         for name, m in models.items():
             m.eval()
             counted = counted_flops(lambda m=m, name=name: _no_grad_forward(m, tokens[name], device, config.dtype))
             out[name].forward_flops_counted_per_seq = sum(counted.values()) // batch
             out[name].forward_flops_counted_by_op = {op: n // batch for op, n in counted.items()}
-            runner = torch.compile(m, dynamic=False) if config.compile else m
-            calls[name] = forward_call(runner, tokens[name], device, config.dtype)
-            if config.compile:
-                compile_s[name] = _first_call(calls[name])
-        samples = _interleaved(calls, config.warmup, config.repeats)
-        for name in models:
-            out[name].forward = _timing(samples[name]["forward"], batch * seq_len, compile_s.get(name))
+            calls[name, "eager"] = forward_call(m, tokens[name], device, config.dtype)
+            if compiled:
+                calls[name, "compiled"] = forward_call(compile_module(m, device), tokens[name], device, config.dtype)
+                stats[name, "compiled"] = CompileStats()
+                first_call(calls[name, "compiled"], stats[name, "compiled"])
+        run(calls, stats, {"forward": batch * seq_len})
 
     if "train" in config.measure:
         log(f"T={seq_len}: training step (forward + aux losses, backward, AdamW), {config.repeats} timed calls each")
-        calls, compile_s = {}, {}
+        calls, stats = {}, {}
         for name, m in models.items():
-            trainee = copy.deepcopy(m)  # the optimiser changes the weights; the other measurements keep the originals
-            counted = counted_flops(lambda t=trainee, name=name: _forward_backward(t, tokens[name], device,
-                                                                                  config.dtype))
-            trainee.zero_grad(set_to_none=True)
-            out[name].train_flops_counted_per_seq = sum(counted.values()) // batch
-            runner = torch.compile(trainee, dynamic=False) if config.compile else trainee
-            calls[name] = train_call(trainee, runner, tokens[name], device, config.dtype)
-            if config.compile:
-                compile_s[name] = _first_call(calls[name])
-        samples = _interleaved(calls, config.warmup, config.repeats)
-        for name in models:
-            out[name].train_step = _timing(samples[name]["train_step"], batch * seq_len, compile_s.get(name))
+            for backend in ("eager", "compiled") if compiled else ("eager",):
+                trainee = copy.deepcopy(m)  # the optimiser changes the weights; other measurements keep the originals
+                if backend == "eager":
+                    counted = counted_flops(lambda t=trainee, name=name: _forward_backward(t, tokens[name], device,
+                                                                                          config.dtype))
+                    trainee.zero_grad(set_to_none=True)
+                    out[name].train_flops_counted_per_seq = sum(counted.values()) // batch
+                    calls[name, backend] = train_call(trainee, trainee, tokens[name], device, config.dtype)
+                else:
+                    calls[name, backend] = train_call(trainee, compile_module(trainee, device), tokens[name], device,
+                                                      config.dtype)
+                    stats[name, backend] = CompileStats()
+                    first_call(calls[name, backend], stats[name, backend])
+        run(calls, stats, {"train_step": batch * seq_len})
         del calls
         gc.collect()
 
     if "decode" in config.measure:
         log(f"T={seq_len}: causal prefill ({config.routing}) and {config.decode_tokens} decode steps, "
             f"{config.repeats} timed calls each")
-        calls, kept = {}, {}
+        calls, stats, kept = {}, {}, {}
         for name, m in models.items():
             m.eval()
             kept[name] = {}
-            calls[name] = decode_call(m, tokens[name], config.decode_tokens, config.routing, device, config.dtype,
-                                      kept[name])
+            calls[name, "eager"] = decode_call(m, tokens[name], config.decode_tokens, config.routing, device,
+                                               config.dtype, kept[name])
+            if compiled:
+                from modcli.static_decode import StaticDecoder
+
+                static = StaticDecoder(m, batch, seq_len + config.decode_tokens, config.routing, device,
+                                       config.dtype, compile=True)
+                calls[name, "compiled"] = static_decode_call(static, tokens[name], config.decode_tokens, device,
+                                                             config.dtype)
+                stats[name, "compiled"] = static.compile_stats
+                first_call(calls[name, "compiled"], static.compile_stats)
             prefill_flops, decode_flops = _counted_decode(m, tokens[name], config)
             out[name].prefill_flops_counted_per_seq = prefill_flops // batch
             out[name].decode_flops_counted_per_token = decode_flops // (batch * config.decode_tokens)
-        samples = _interleaved(calls, config.warmup, config.repeats)
+        run(calls, stats, {"prefill": batch * seq_len, "decode": batch})
         for name, m in models.items():
-            out[name].prefill = _timing(samples[name]["prefill"], batch * seq_len)
-            out[name].decode = _timing(samples[name]["decode"], batch)
             cache: DecoderCache = kept[name]["cache"]
             out[name].kv_cache_bytes = cache.stored_bytes()
             out[name].kv_cache_allocated_bytes = cache.allocated_bytes()
@@ -604,6 +675,17 @@ def _measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_l
             out[name].processed_fraction = {f"block{layer}": cache.layers[layer].lengths.sum().item() / held
                                             for layer in m.config.routed_layers()
                                             if m.config.attention_is_routed(layer)}
+
+    if "onnxruntime" in config.backends:
+        from modcli.profiling_onnx import onnxruntime_calls
+
+        log(f"T={seq_len}: exporting both models to ONNX and timing them through onnxruntime")
+        calls = onnxruntime_calls(config, models, seq_len, device)
+        samples = _interleaved({f"{n}:{q}": call for (n, q), call in calls.items()}, max(1, config.warmup),
+                               config.repeats)
+        for (name, quantity) in calls:
+            seconds = samples[f"{name}:{quantity}"][quantity]
+            store(name, "onnxruntime", quantity, _timing(seconds, batch * seq_len if quantity == "forward" else batch))
     return out
 
 
@@ -784,6 +866,11 @@ def _ratios(model: ModelProfile, baseline: ModelProfile | None) -> dict[str, Rat
         ratio[f"{name}_latency"] = Ratio(_div(mine.latency_ms, theirs.latency_ms), ideal_ratio)
         if mine.peak_mem_bytes is not None and theirs.peak_mem_bytes is not None:
             ratio[f"{name}_peak_mem"] = Ratio(_div(mine.peak_mem_bytes, theirs.peak_mem_bytes))
+    for backend in ("compiled", "onnxruntime"):
+        for name, mine in getattr(model, backend).items():
+            theirs = getattr(baseline, backend).get(name)
+            if theirs is not None:
+                ratio[f"{backend}_{name}_latency"] = Ratio(_div(mine.latency_ms, theirs.latency_ms), ideal[name])
     if model.kv_cache_bytes is not None and baseline.kv_cache_bytes is not None:
         ratio["kv_cache"] = Ratio(_div(model.kv_cache_bytes, baseline.kv_cache_bytes))
         ratio["kv_cache_allocated"] = Ratio(_div(model.kv_cache_allocated_bytes, baseline.kv_cache_allocated_bytes))

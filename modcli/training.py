@@ -38,6 +38,7 @@ from modcli.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from modcli.compiling import CompileStats, compile_module, graph_break_counts
 from modcli.config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainConfig
 from modcli.data import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.distributed import DistributedContext
@@ -94,6 +95,11 @@ class TrainResult:
     """The router kind of the routed blocks (modcli.routing.registry); None for a dense model."""
     parameters: int
     world_size: int
+    compile_s: float | None = None
+    """With --compile: wall time of the first step of this session (compilation plus the step), left out of
+    tokens_per_s."""
+    graph_breaks: int | None = None
+    """With --compile: graph breaks torch.compile met (0: the step is one graph)."""
 
 
 def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -455,7 +461,10 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
     steps = total_steps(config, context.world_size)
     per_step_flops = step_flops(config, context.world_size)
     global_batch = tc.batch_size * tc.grad_accum * context.world_size
-    forward = torch.compile(run.wrapped) if tc.compile else run.wrapped
+    compile_stats = CompileStats() if tc.compile else None
+    # dynamic=None: a capacity warm-up changes k, which then becomes a symbolic size instead of a recompile per k
+    forward = compile_module(run.wrapped, device, dynamic=None) if tc.compile else run.wrapped
+    breaks_before = graph_break_counts()
     scaler = run.scaler
     train_mode = run.model.training_mode
     modes = validation_modes(run.model)
@@ -546,10 +555,18 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             session_tokens += step_tokens
             run.flops += per_step_flops
             train_time += time.perf_counter() - step_start
+            if compile_stats is not None and not compile_stats.compile_s:  # the first step compiled the graphs
+                compile_stats.compile_s = time.perf_counter() - step_start
+                compile_stats.count_breaks_since(breaks_before)
+                train_time, session_tokens = 0.0, 0
+                if not quiet:
+                    stderr_console.print(f"torch.compile: {compile_stats.describe()} (the first step; left out of "
+                                         "tokens/s)", highlight=False, soft_wrap=True)
 
             last_step = run.step == steps or bool(tc.flops_budget and run.flops >= tc.flops_budget)
             evaluate_now = run.step % tc.eval_every == 0 or last_step
             record = {"step": run.step, "loss": train_loss, "lr": lr,
+                      **({"compile_s": compile_stats.compile_s} if compile_stats and session_tokens == 0 else {}),
                       "grad_norm": grad_norm,
                       "tokens": run.tokens, "flops": run.flops,
                       "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
@@ -608,4 +625,6 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         wall_time_s=run.elapsed_before + time.perf_counter() - session_start,
         tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense, router=None if mc.dense else mc.router,
         parameters=run.model.num_parameters(), world_size=context.world_size,
+        compile_s=compile_stats.compile_s if compile_stats else None,
+        graph_breaks=compile_stats.graph_breaks if compile_stats else None,
     )

@@ -20,7 +20,8 @@ runner = CliRunner()
 TINY_FLAGS = ["--preset", "tiny", "--d-model", "32", "--n-layers", "4", "--n-heads", "4", "--capacity", "0.25",
               "--predictor-hidden", "16", "--batch-size", "2", "--repeats", "2", "--warmup", "0",
               "--decode-tokens", "4", "--device", "cpu"]
-TIMING_FIELDS = {"latency_ms", "latency_min_ms", "latency_max_ms", "tokens_per_s", "peak_mem_bytes", "compile_s"}
+TIMING_FIELDS = {"latency_ms", "latency_min_ms", "latency_max_ms", "tokens_per_s", "peak_mem_bytes", "compile_s",
+                 "graph_breaks"}
 
 
 def invoke(*args: str):

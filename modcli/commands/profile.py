@@ -90,7 +90,11 @@ def profile(
         help="Also time this `modcli export` bundle through onnxruntime (repeat: MoD and dense bundles).")] = None,
     device: Device = "auto",
     dtype: Dtype = "float32",
-    compile: Annotated[bool, typer.Option("--compile", help="torch.compile forward and training step.")] = False,
+    backends: Annotated[str, typer.Option(help=(
+        "Comma-separated paths to time, MoD and baseline interleaved: eager, compiled (torch.compile: forward, "
+        "training step, causal prefill, static-shape decode step), onnxruntime (both models exported to ONNX here: "
+        "forward and decode step)."))] = "eager",
+    compile: Annotated[bool, typer.Option("--compile", help="Same as adding compiled to --backends.")] = False,
     json_output: Json = False,
 ) -> None:
     """FLOPs, latency, tokens/s, peak memory and KV-cache bytes of an MoD model against its dense twin (or a checkpoint)."""
@@ -116,6 +120,7 @@ def profile(
         checkpoint=checkpoint, model=model, compare=compare, seq_lens=lengths, batch_size=batch_size,
         repeats=repeats, warmup=warmup, measure=[m.strip() for m in measure.split(",") if m.strip()],
         decode_tokens=decode_tokens, routing=routing, device=device, dtype=dtype, compile=compile, memory=memory,
+        backends=[b.strip() for b in backends.split(",") if b.strip()],
         seed=seed, plot=plot, onnx=onnx or []))
     if json_output:
         from modcli.reporting import print_json
@@ -139,8 +144,57 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def tables(result) -> list:
-    """One Rich table per sequence length: model, baseline, measured ratio and the ratio the FLOPs predict."""
-    return [_table(result, r) for r in result.results]
+    """One Rich table per sequence length: model, baseline, measured ratio and the ratio the FLOPs predict; with
+    more than the eager backend (or a baseline), a speed table of every backend too."""
+    out = []
+    for r in result.results:
+        out.append(_table(result, r))
+        if len(result.backends) > 1 or result.backends != ["eager"]:
+            out.append(speed_table(result, r))
+    return out
+
+
+SPEED_ROWS = (("forward", "forward"), ("train_step", "training step"), ("prefill", "causal prefill"),
+              ("decode", "decode step"))
+
+
+def speed_table(result, r):
+    """Every backend's latency for every measurement, model and baseline side by side, the measured ratio, the
+    counted-FLOP ideal and how far the ratio is from it (ratio / ideal: 1.00 = the saving the FLOPs promise)."""
+    from rich.table import Table
+
+    compared = result.baseline is not None
+    table = Table(title=f"speed, T = {r.seq_len}, batch {result.batch_size}: median ms per call (decode: per step)",
+                  caption="compile s: first call (compilation and one run), never timed; onnxruntime has no "
+                          "prefill graph (the runtime feeds a prompt through the decode graph) and no training")
+    columns = ["backend", "measurement", result.model.label]
+    if compared:
+        columns += [result.baseline.label, "ratio", "FLOP ideal", "ratio / ideal"]
+    columns.append("compile s")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("backend", "measurement") else "right")
+    for backend in result.backends:
+        for name, label in SPEED_ROWS:
+            mine = _backend_timing(r.model, backend, name)
+            if mine is None:
+                continue
+            theirs = _backend_timing(r.baseline, backend, name) if compared else None
+            cells = [backend, label, f"{mine.latency_ms:.2f}"]
+            if compared:
+                ratio = r.ratio.get(f"{name}_latency" if backend == "eager" else f"{backend}_{name}_latency")
+                measured, ideal = (ratio.measured, ratio.ideal) if ratio else (None, None)
+                cells += [f"{theirs.latency_ms:.2f}" if theirs else "-", _ratio(measured), _ratio(ideal),
+                          _ratio(measured / ideal if measured and ideal else None)]
+            compile_s = [t.compile_s for t in (mine, theirs) if t is not None and t.compile_s is not None]
+            cells.append(" / ".join(f"{v:.1f}" for v in compile_s) or "-")
+            table.add_row(*cells)
+    return table
+
+
+def _backend_timing(profile, backend: str, name: str):
+    if profile is None:
+        return None
+    return getattr(profile, name) if backend == "eager" else getattr(profile, backend).get(name)
 
 
 def _table(result, r):
@@ -200,8 +254,6 @@ def _table(result, r):
             continue
         row(f"{label} latency ms", mine, theirs, _latency, f"{name}_latency")
         row(f"{label} tok/s", mine.tokens_per_s, get(theirs, "tokens_per_s"), lambda v: f"{v:,.0f}")
-        if mine.compile_s is not None:
-            row(f"{label} compile s", mine.compile_s, get(theirs, "compile_s"), lambda v: f"{v:.1f}")
     for name, label in (("forward", "forward"), ("train_step", "training step"), ("decode", "prefill + decode")):
         mine, theirs = getattr(m, name), get(b, name)
         if mine is not None and mine.peak_mem_bytes is not None:

@@ -63,7 +63,12 @@ def select_causal(decisions: Tensor) -> Selection:
     """
     batch, seq_len = decisions.shape
     counts = decisions.sum(dim=1)  # (B,)
-    k_max = int(counts.max())
+    compiling = torch.compiler.is_compiling()
+    # Compiled, at least one slot (a padding slot when no token is selected: attention kernels need n >= 1); the
+    # count stays a size inside the graph (capture_scalar_outputs), not a graph break. Eager, k = 0 skips the block.
+    k_max = (counts.max().clamp(min=1) if compiling else counts.max()).item()
+    torch._check(k_max >= (1 if compiling else 0))
+    torch._check(k_max <= seq_len)
     positions = torch.arange(seq_len, device=decisions.device)
     order_key = torch.where(decisions, positions, positions + seq_len)  # (B, T) selected first, in order
     selected_idx = order_key.topk(k_max, dim=1, largest=False, sorted=True).indices  # (B, k_max)
