@@ -1,0 +1,109 @@
+"""`modcli profile --backends onnxruntime`: both models exported to ONNX here and timed through modcli_runtime.
+
+The graphs are the ones `modcli export` writes (`modcli.export_lowering`: the forward graph in the router's static
+mode, the decode graph in the profiled causal mode, float32, opset 18); they run in onnxruntime sessions of the
+PyTorch-free runtime with as many intra-op threads as PyTorch uses. What is timed, per model:
+
+- forward: the forward graph on the same (B, T) tokens as the eager forward;
+- decode: `--decode-tokens` steps of the decode graph, each followed by `CacheSpec.write_rows` (what one step of
+  the runtime's generate costs), starting from the KV cache an (untimed) eager causal prefill of the same T tokens
+  leaves, copied into numpy once, on the same new tokens as the eager decode; every call starts from that cache.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from modcli.cache import DecoderCache
+from modcli.model import MoDDecoder
+
+
+def onnxruntime_calls(config, models: dict[str, MoDDecoder], seq_len: int, device: torch.device,
+                      folder: Path | None = None) -> dict[tuple[str, str], Callable]:
+    """(model name, forward|decode) -> a call returning {quantity: seconds}, for `_interleaved`."""
+    from modcli_runtime.bundle import CacheSpec, create_session, session_providers
+
+    from modcli.export_lowering import MIN_OPSET, decode_spec, export_onnx, export_program, forward_spec
+
+    folder = Path(folder or tempfile.mkdtemp(prefix="modcli-profile-onnx-"))
+    providers = session_providers("cuda" if device.type == "cuda" else "cpu")
+    threads = torch.get_num_threads()
+    batch = config.batch_size
+    calls: dict[tuple[str, str], Callable] = {}
+    for name, model in models.items():
+        cpu_model = model.to("cpu").eval()
+        sessions = {}
+        for spec in ([forward_spec(cpu_model)] if "forward" in config.measure else []) + (
+                [decode_spec(cpu_model, config.routing)] if "decode" in config.measure else []):
+            path = folder / f"{name}.{spec.name}.onnx"
+            export_onnx(spec, export_program(spec), path, MIN_OPSET)
+            sessions[spec.name] = (create_session(path, providers, threads=threads), spec)
+        model.to(device)
+        generator = torch.Generator().manual_seed(config.seed + seq_len)
+        tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=generator).numpy()
+        if "forward" in sessions:
+            session, spec = sessions["forward"]
+            calls[name, "forward"] = _forward_call(session, spec.input_names[0], tokens)
+        if "decode" in sessions:
+            session, spec = sessions["decode"]
+            config_ = model.config
+            cache_spec = CacheSpec(
+                n_layers=config_.n_layers, n_heads=config_.kv_heads, head_dim=config_.head_dim, dtype="float32",
+                routed_layers=config_.routed_layers(), capacity=config_.capacity_fraction(),
+                processed_row_layers=[layer for layer in range(config_.n_layers) if config_.attention_is_routed(layer)])
+            generator = torch.Generator().manual_seed(seq_len)  # the eager decode call's new tokens
+            new_tokens = torch.randint(0, config_.vocab_size, (config.decode_tokens, batch), generator=generator)
+            prefilled = DecoderCache.allocate(config_, batch, seq_len + config.decode_tokens, torch.device("cpu"))
+            with torch.no_grad():  # the eager causal prefill of the same tokens, untimed
+                cpu_model = model.to("cpu")
+                cpu_model(torch.from_numpy(tokens), config.routing, cache=prefilled)
+                model.to(device)
+            calls[name, "decode"] = _decode_call(session, spec.output_names, cache_spec, prefilled,
+                                                 new_tokens.numpy(), config.decode_tokens)
+    return calls
+
+
+def _forward_call(session, input_name: str, tokens: np.ndarray) -> Callable[[], dict[str, float]]:
+    def call() -> dict[str, float]:
+        start = time.perf_counter()
+        session.run(None, {input_name: tokens})
+        return {"forward": time.perf_counter() - start}
+
+    return call
+
+
+def _decode_call(session, output_names: list[str], cache_spec, prefilled: DecoderCache, new_tokens: np.ndarray,
+                 steps: int) -> Callable[[], dict[str, float]]:
+    """Decode steps from a prefilled cache, copied into numpy buffers with room for every step."""
+    feeds: dict[str, np.ndarray] = {}
+    start_lengths = {}
+    for layer, layer_cache in enumerate(prefilled.layers):
+        slots = int(layer_cache.lengths.max()) + steps + 1  # no buffer grows inside a timed call
+        shape = (layer_cache.keys.shape[0], layer_cache.keys.shape[1], slots, layer_cache.keys.shape[3])
+        keys, values = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+        filled = min(slots, layer_cache.slots)
+        keys[:, :, :filled] = layer_cache.keys[:, :, :filled].float().cpu().numpy()
+        values[:, :, :filled] = layer_cache.values[:, :, :filled].float().cpu().numpy()
+        feeds[f"keys.{layer}"], feeds[f"values.{layer}"] = keys, values
+        start_lengths[layer] = layer_cache.lengths.cpu().numpy().astype(np.int64)
+    positions = prefilled.positions.cpu().numpy().astype(np.int64)
+
+    def call() -> dict[str, float]:
+        for layer, lengths in start_lengths.items():  # every call decodes from the same prefilled cache
+            feeds[f"lengths.{layer}"] = lengths.copy()
+        feeds["positions"] = positions.copy()
+        start = time.perf_counter()
+        for step in range(steps):
+            feeds["tokens"] = new_tokens[step]
+            outputs = dict(zip(output_names, session.run(output_names, feeds), strict=True))
+            cache_spec.write_rows(feeds, outputs)
+            feeds["positions"] = feeds["positions"] + 1
+        return {"decode": (time.perf_counter() - start) / steps}
+
+    return call
