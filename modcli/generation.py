@@ -70,6 +70,9 @@ class GenerateConfig:
         require(self.draft_tokens >= 1, f"--draft-tokens must be >= 1, got {self.draft_tokens}")
         require(self.speculative is None or self.exit_threshold is None,
                 "give --exit-threshold or --speculative, not both")
+        require(not (self.compile and (self.exit_threshold is not None or self.speculative is not None)),
+                "--compile decodes at full depth with a static cache; it does not combine with --exit-threshold or "
+                "--speculative")
         require(self.speculative is None or self.temperature == 0,
                 "--speculative decodes greedily (its output is the full model's greedy output): pass --temperature 0")
 
@@ -176,9 +179,6 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         check_exit_decoding(model, config.exit_threshold, config.speculative)
         stats = ExitStats(f"confidence (exit at top probability >= {config.exit_threshold:g})"
                           if config.exit_threshold is not None else "")
-    if config.compile and exits:
-        raise UserError("--compile decodes at full depth with a static cache; it does not combine with "
-                        "--exit-threshold or --speculative")
     prompts = [tokenizer.encode(p) for p in config.prompts]
     if not all(prompts):
         raise UserError("--prompt: a prompt encodes to no tokens")

@@ -95,7 +95,9 @@ class MoEMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (B, n, D) -> the MLP update (B, n, D); zero for a token whose choices were no-op or dropped."""
         probs, choice, weight = self.route(x)
-        static = self.training or torch.compiler.is_exporting()
+        # A traced graph (export, torch.compile, a torch.cond branch) cannot read per-expert counts on the host.
+        traced = torch.compiler.is_compiling()
+        static = self.training or traced
         # An exported decode step has one token per row; the forward graph's (B, k) of a staged block is symbolic.
         if static and not self.training and guard_or_false(x.shape[1] == 1):
             out, dropped = self._decode_dispatch(x, choice, weight), torch.zeros((), device=x.device)
@@ -105,7 +107,7 @@ class MoEMLP(nn.Module):
             out, dropped = self._static_dispatch(x, choice, weight, capacity)
         else:
             out, dropped = self._exact_dispatch(x, choice, weight), torch.zeros((), device=x.device)
-        if torch.compiler.is_exporting():  # a graph has no use for the statistics (and torch.cond forbids them)
+        if traced and not self.training:  # an inference graph has no use for the statistics (torch.cond forbids them)
             return out
         flat_choice = choice.flatten(0, 1)  # (B n, K)
         aux = load_balancing_loss(probs.flatten(0, 1), flat_choice)

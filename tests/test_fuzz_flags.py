@@ -169,7 +169,7 @@ PROFILE_WORKLOAD = frozenset({"repeats", "warmup", "decode_tokens", "batch_size"
 
 
 @fuzz_settings(16)
-@given(extra=drawn_flags(without(command_flags(profile.profile), "compile", "memory", "seq_lens"), PROFILE_WORKLOAD))
+@given(extra=drawn_flags(without(command_flags(profile.profile), "compile", "backends", "memory", "seq_lens"), PROFILE_WORKLOAD))
 def test_profile_flags(extra, tmp_path_factory):
     args = ["profile", "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16",
             "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--measure", "forward", "--decode-tokens", "2",
