@@ -12,6 +12,8 @@ The bundle is a folder:
   the token; the manifest's `graphs.decode.cache` says which layers store every row's K/V and which only the
   processed rows' (the runtime writes them in place). The prompt is fed through this graph one token at a time,
   which fills the cache with exactly the decisions `modcli generate` makes.
+- `cache_write.onnx` (with decode.onnx): writes a step's K/V rows into a cache buffer in place; the runtime uses it
+  to keep the KV cache on the device with the CUDA provider (modcli_runtime.device).
 - with `--compile`: `<graph>.pt2` (torch.export ExportedProgram, dynamic dims) and `<graph>.aoti.pt2`
   (AOTInductor package for this machine's CPU).
 - `config.json` (the checkpoint's run config) and `manifest.json` (files and sha256, versions, opset, inputs
@@ -46,6 +48,7 @@ import torch
 from modcli.config import DTYPES, require
 from modcli.errors import UserError, WriteFailed
 from modcli.export_lowering import (
+    CACHE_WRITE_NOTE,
     MIN_OPSET,
     aoti_supported,
     compile_aoti,
@@ -54,6 +57,7 @@ from modcli.export_lowering import (
     export_program,
     forward_spec,
     onnx_summary,
+    write_cache_writer,
 )
 from modcli.export_validation import Check, validate_bundle, validation_providers, validation_text
 from modcli.model import MoDDecoder
@@ -352,6 +356,15 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
         info["exported_program"] = f"{spec.name}.pt2" if config.compile else None
         info["aoti"] = f"{spec.name}.aoti.pt2" if config.compile and aoti_ok else None
         graphs[spec.name] = info
+    if config.onnx and "decode" in graphs:  # the device-resident cache's in-place row writer (modcli_runtime.device)
+        start = time.perf_counter()
+        path = tmp / "cache_write.onnx"
+        write_cache_writer(path, config.dtype, config.opset)
+        histogram, inputs, outputs = onnx_summary(path)
+        files.append(GraphFile("cache_write", "onnx", path.name, path.stat().st_size, time.perf_counter() - start,
+                               histogram))
+        graphs["cache_write"] = {"kind": "onnx", "file": path.name, "inputs": inputs, "outputs": outputs,
+                                 "note": CACHE_WRITE_NOTE}
     num, den = model_config.capacity_fraction()
     if "decode" in graphs:
         graphs["decode"]["cache"] = {

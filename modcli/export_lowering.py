@@ -165,6 +165,36 @@ def export_onnx(spec: GraphSpec, program: torch.export.ExportedProgram, path: Pa
     onnx_program.save(str(path))
 
 
+CACHE_WRITE_NOTE = ("writes one decode step's K/V rows into a cache buffer: cache_out = cache with "
+                    "cache_out[indices[i, h]] = new_rows[rows[i], h, 0] (indices (n, Hkv, 3) = row, head, slot); "
+                    "modcli_runtime binds cache_out to the cache's own device buffer, so ScatterND writes in place "
+                    "(the CUDA provider's device-resident KV cache)")
+
+
+def write_cache_writer(path: Path, dtype: str, opset: int) -> None:
+    """cache_write.onnx: Gather the writing rows of a (B, Hkv, 1, hd) new-K/V output, ScatterND them into a
+    (B, Hkv, S, hd) cache at [row, head, slot]. Built directly with onnx.helper (three nodes, no weights)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    element = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    value = helper.make_tensor_value_info
+    nodes = [helper.make_node("Gather", ["new_rows", "rows"], ["picked"], axis=0),  # (n, Hkv, 1, hd)
+             helper.make_node("Squeeze", ["picked", "slot_axis"], ["updates"]),  # (n, Hkv, hd)
+             helper.make_node("ScatterND", ["cache", "indices", "updates"], ["cache_out"])]
+    graph = helper.make_graph(
+        nodes, "cache_write",
+        [value("cache", element, ["batch", "heads", "slots", "head_dim"]),
+         value("new_rows", element, ["batch", "heads", 1, "head_dim"]),
+         value("rows", TensorProto.INT64, ["rows"]), value("indices", TensorProto.INT64, ["rows", "heads", 3])],
+        [value("cache_out", element, ["batch", "heads", "slots", "head_dim"])],
+        initializer=[helper.make_tensor("slot_axis", TensorProto.INT64, [1], [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8,
+                              producer_name="modcli")
+    onnx.checker.check_model(model, full_check=True)
+    onnx.save(model, str(path))
+
+
 def onnx_summary(path: Path) -> tuple[dict[str, int], list[dict[str, Any]], list[dict[str, Any]]]:
     """(op histogram including If branches, inputs, outputs) of an ONNX file."""
     import onnx

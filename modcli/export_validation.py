@@ -250,8 +250,8 @@ def validate_bundle(folder: Path, model: MoDDecoder, specs: list[GraphSpec], con
         if "forward" in graphs:
             checks += _check_forward(model, name, run_forward, fwd_cases, atol)
         if "decode" in graphs:
-            checks += _check_decode(model, name, bundle.decode_step, bundle.cache_spec, dec_cases, steps,
-                                    config.routing, atol)
+            step, cache = bundle.decoder()  # what `generate` runs on this provider (CUDA: the device cache)
+            checks += _check_decode(model, name, step, cache, dec_cases, steps, config.routing, atol)
     if config.compile:
         runners: list[tuple[str, dict[str, Callable]]] = []
         loaded = {s.name: torch.export.load(str(folder / f"{s.name}.pt2")).module() for s in specs}

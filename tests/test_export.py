@@ -198,7 +198,8 @@ def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["valid"] is True and manifest["validation"]["status"] == "passed"
     assert manifest["opset"] == 18 and manifest["versions"]["torch"] == torch.__version__
-    assert set(manifest["files"]) == {"forward.onnx", "decode.onnx", "config.json"}
+    assert set(manifest["files"]) == {"forward.onnx", "decode.onnx", "cache_write.onnx", "config.json"}
+    assert manifest["graphs"]["cache_write"]["kind"] == "onnx"
     for name, entry in manifest["files"].items():
         assert sha256_of(bundle / name) == entry["sha256"]
     forward, decode = manifest["graphs"]["forward"], manifest["graphs"]["decode"]

@@ -199,6 +199,42 @@ def test_cache_spec_writes_rows_in_place_and_grows_by_doubling():
                                   np.array(stored[layer][row]).reshape(kept, 2, 3))
 
 
+def test_device_cache_writes_rows_in_place_with_cache_write_onnx(bundle):
+    """The device-resident cache's writer (ScatterND with its output bound to its input) changes only the written
+    rows of the very buffer it was given, growing by doubling like the numpy cache; run here on the CPU provider."""
+    from modcli_runtime import load_bundle
+
+    runtime = load_bundle(bundle, device_cache=True)
+    _, cache = runtime.decoder()
+    numpy_feeds = runtime.cache_spec.allocate(2, 40)
+    feeds = cache.allocate(2, 40)
+    assert all(feeds[n].shape() == list(numpy_feeds[n].shape) for n in numpy_feeds if not n.startswith("lengths"))
+    rng = np.random.default_rng(1)
+    for step in range(25):
+        outputs = {f"new_{kind}.{layer}": rng.standard_normal((2, 4, 1, 8)).astype(np.float32)
+                   for layer in range(4) for kind in ("keys", "values")}
+        outputs.update({"processed.1": np.array([True, step % 2 == 0]), "processed.3": np.array([False, True])})
+        runtime.cache_spec.write_rows(numpy_feeds, outputs)
+        device_outputs = {n: cache.to_device(v) if n.startswith("new_") else v for n, v in outputs.items()}
+        buffer = feeds["keys.0"]
+        cache.write_rows(feeds, device_outputs)
+        assert feeds["keys.0"] is buffer  # the dense layer's buffer was written, not replaced
+    for name, array in numpy_feeds.items():
+        got = feeds[name] if name.startswith("lengths") else feeds[name].numpy()
+        assert np.array_equal(got, array), name
+    assert feeds["keys.3"].shape()[2] == 40  # 20 slots doubled once (row 1 wrote 25 rows)
+
+    import onnxruntime as ort
+
+    dense = np.zeros((2, 4, 40, 8), dtype=np.float32)
+    feeds["keys.0"] = ort.OrtValue.ortvalue_from_numpy(dense)  # on the CPU an OrtValue over the numpy memory
+    feeds["lengths.0"][:] = [3, 7]
+    cache.write_rows(feeds, device_outputs)
+    assert np.array_equal(dense[0, :, 3], outputs["new_keys.0"][0, :, 0])  # written into that very memory
+    assert np.array_equal(dense[1, :, 7], outputs["new_keys.0"][1, :, 0])
+    assert np.count_nonzero(dense) == 2 * 4 * 8  # and nowhere else
+
+
 ROUTERS = {"topk-mlp": dict(route_part="mlp", n_layers=2),
            "threshold-block": dict(router="threshold", predictor_hidden=0, n_layers=2)}
 
@@ -219,29 +255,32 @@ def decode_only_bundles(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return bundles
 
 
-@pytest.mark.parametrize("case", ["topk-block", *ROUTERS])
+@pytest.mark.parametrize("case", ["topk-block", "topk-block-device-cache", *ROUTERS])
 def test_runtime_decode_equals_eager_generate_with_the_kv_cache(case, bundle, trained_run, decode_only_bundles):
     """The runtime's decode (read-only graph + in-place row writes) = `modcli generate`'s eager prefill and
     decode_step: logits within atol, greedy tokens, processed counts and KV cache lengths per layer, for one prompt
-    and for a padded batch of prompts of different lengths."""
+    and for a padded batch of prompts of different lengths. "device-cache": the OrtValue cache written in place by
+    cache_write.onnx (what --provider cuda uses), here on the CPU provider."""
     from modcli_runtime import generate_tokens, load_bundle
 
     from modcli.checkpoint import load_model_from
     from modcli.export_validation import eager_generation
 
-    checkpoint, folder = (trained_run, bundle) if case == "topk-block" else decode_only_bundles[case]
+    checkpoint, folder = (trained_run, bundle) if case.startswith("topk-block") else decode_only_bundles[case]
     model, _, _ = load_model_from(checkpoint)
     routing = model.causal_modes()[0]
-    runtime = load_bundle(folder)
+    runtime = load_bundle(folder, device_cache=case.endswith("device-cache"))
+    step, cache = runtime.decoder()
+    assert (cache is runtime.cache_spec) != case.endswith("device-cache")
     text = list(make_corpus_text()[:40].encode())
     noise = np.random.default_rng(5).integers(0, 256, 40).tolist()
     processed_any, skipped_any = False, False
     for prompts in ([text[:17]], [text[3:12], noise[:3], text[20:34]]):
         reference = eager_generation(model, prompts, 10, routing)
-        got = generate_tokens(runtime.decode_step, runtime.cache_spec, prompts, vocab_size=256, max_new_tokens=10,
-                              temperature=0, return_logits=True)
+        got = generate_tokens(step, cache, prompts, vocab_size=256, max_new_tokens=10, temperature=0,
+                              return_logits=True)
         assert got.tokens == reference.tokens
-        assert max(float(np.abs(mine - ref).max()) for mine, ref in zip(got.logits, reference.logits)) <= ATOL
+        assert max(float(np.abs(mine - ref).max()) for mine, ref in zip(got.logits, reference.logits, strict=True)) <= ATOL
         assert {layer: got.processed_tokens[layer] for layer in reference.processed} == reference.processed
         assert got.cache_lengths == reference.cache_lengths
         counts = np.array(list(got.processed_tokens.values()))  # (routed layers, B)

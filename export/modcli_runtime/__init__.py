@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from modcli_runtime.bench import time_bundle
 from modcli_runtime.bundle import Bundle, BundleError, CacheSpec, load_bundle, read_manifest
+from modcli_runtime.device import DeviceCache
 from modcli_runtime.generate import Generation, Utf8Stream, generate_tokens, sample
 
 __version__ = "0.1.0"
-__all__ = ["Bundle", "BundleError", "CacheSpec", "Generation", "Utf8Stream", "generate_tokens", "load_bundle",
+__all__ = ["Bundle", "BundleError", "CacheSpec", "DeviceCache", "Generation", "Utf8Stream", "generate_tokens", "load_bundle",
            "read_manifest", "sample", "time_bundle", "__version__"]

@@ -36,7 +36,7 @@ def _summary(times_ms: np.ndarray) -> dict[str, float]:
 
 def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_tokens: int = 128,
                 repeats: int = 20, warmup: int = 3, provider: str = "cpu", threads: int = 0, seed: int = 0,
-                routed_cache_tokens: int | None = None) -> dict[str, Any]:
+                routed_cache_tokens: int | None = None, device_cache: bool | None = None) -> dict[str, Any]:
     """Time the forward graph on (batch, seq_len) random tokens and one decode step at `cache_tokens` cached.
 
     The decode step is timed with the layers that store every token (dense layers, and routed layers whose
@@ -47,12 +47,13 @@ def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_t
     its K/V in place (lengths are put back, untimed, after each call, so every call sees the same cache).
     Returns one dict: {"provider", "forward": {...}, "decode": {...}} with latency_ms (median), min_ms, p90_ms and
     tokens_per_s. `threads`: onnxruntime intra-op threads (0 = its default); match torch.get_num_threads() for a
-    fair comparison.
+    fair comparison. `device_cache`: as in `Bundle` (None: device-resident cache on CUDA, numpy buffers on CPU).
     """
     if batch < 1 or seq_len < 1 or cache_tokens < 0 or repeats < 1 or warmup < 0 or (
             routed_cache_tokens is not None and routed_cache_tokens < 0):
         raise ValueError("batch, seq_len and repeats must be >= 1; cache_tokens, routed_cache_tokens and warmup >= 0")
-    bundle = load_bundle(path, provider=provider, verify=False, allow_invalid=True, threads=threads)
+    bundle = load_bundle(path, provider=provider, verify=False, allow_invalid=True, threads=threads,
+                         device_cache=device_cache)
     rng = np.random.default_rng(seed)
     results: dict[str, Any] = {"bundle": str(path), "provider": bundle.active_provider}
     if bundle.forward_info is not None and bundle.forward_info.get("kind") == "onnx":
@@ -67,7 +68,7 @@ def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_t
 
 def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, routed_cache_tokens: int | None, repeats: int,
                  warmup: int, rng: np.random.Generator) -> dict[str, Any]:
-    bundle.session("decode")  # a clear error for a bundle whose decode graph this runtime refuses
+    step, cache = bundle.decoder()  # what `generate` runs (a clear error for a decode graph this runtime refuses)
     spec = bundle.cache_spec
     num, den = spec.capacity
     routed_default = min(cache_tokens, max(1, cache_tokens * num // den))
@@ -80,13 +81,15 @@ def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, routed_cache_tok
         feeds[f"keys.{layer}"] = rng.standard_normal(shape).astype(dtype)
         feeds[f"values.{layer}"] = rng.standard_normal(shape).astype(dtype)
         feeds[f"lengths.{layer}"] = np.full(batch, tokens, dtype=np.int64)
+    if cache is not spec:  # the device cache (modcli_runtime.device): the same contents in device buffers
+        feeds.update({name: cache.to_device(array) for name, array in feeds.items() if not name.startswith("lengths")})
     feeds["positions"] = np.full(batch, cache_tokens, dtype=np.int64)
     processed = {layer: 0 for layer in spec.routed_layers}
 
     def one_step() -> None:
         feeds["tokens"] = rng.integers(0, bundle.vocab_size, batch, dtype=np.int64)
-        outputs = bundle.decode_step(feeds)
-        spec.write_rows(feeds, outputs)
+        outputs = step(feeds)
+        cache.write_rows(feeds, outputs)
         for layer in processed:
             processed[layer] += bool(outputs[f"processed.{layer}"].any())
 
@@ -98,5 +101,6 @@ def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, routed_cache_tok
     calls = repeats + warmup
     routed = [stored[layer] for layer in spec.processed_row_layers]
     return {"batch": batch, "cache_tokens": cache_tokens, "routed_cache_tokens": routed[0] if routed else None,
+            "kv_cache": "numpy" if cache is spec else f"device ({cache.device})",
             **stats, "tokens_per_s": batch / (stats["latency_ms"] / 1000),
             "calls_with_block_work": {f"block{layer}": n / calls for layer, n in processed.items()}}

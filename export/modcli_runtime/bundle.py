@@ -215,11 +215,14 @@ class Bundle:
     """A loaded bundle: `decode_step` (causal routing, KV cache), `forward` (top-k, non-causal), `generate`."""
 
     def __init__(self, path: str | Path, provider: str = "cpu", verify: bool = True, allow_invalid: bool = False,
-                 threads: int = 0) -> None:
+                 threads: int = 0, device_cache: bool | None = None) -> None:
+        """`device_cache`: keep the KV cache in device OrtValues written in place (modcli_runtime.device); None =
+        when the decode graph runs on the CUDA provider and the bundle has cache_write.onnx."""
         if not 0 <= threads <= MAX_THREADS:
             raise BundleError(f"--threads must be in [0, {MAX_THREADS}], got {threads}")
         self.path = Path(path)
         self.threads = threads
+        self.device_cache = device_cache
         self.manifest = read_manifest(self.path)
         if not self.manifest.get("valid", False) and not allow_invalid:
             raise BundleError(f"{self.path}: the bundle failed validation at export time (manifest valid=false); "
@@ -284,6 +287,25 @@ class Bundle:
         outputs = self.session("decode").run(self.decode_outputs, {name: feeds[name] for name in self.decode_inputs})
         return dict(zip(self.decode_outputs, outputs, strict=True))
 
+    def decoder(self):
+        """(step, cache) for `generate_tokens`: the decode graph and the cache it reads and the runtime writes.
+
+        numpy buffers (`decode_step`, `cache_spec`), or with the device cache a `DeviceCache` (its `step`, itself).
+        """
+        session = self.session("decode")
+        from modcli_runtime.device import WRITER_GRAPH, DeviceCache
+
+        on_cuda = session.get_providers()[0] == ORT_PROVIDERS["cuda"]
+        has_writer = self.manifest["graphs"].get(WRITER_GRAPH, {}).get("kind") == "onnx"
+        wanted = self.device_cache if self.device_cache is not None else (on_cuda and has_writer)
+        if not wanted:
+            return self.decode_step, self.cache_spec
+        if not has_writer:
+            raise BundleError(f"{self.path}: no cache_write.onnx for a device-resident KV cache; re-export it with "
+                              "`modcli export`")
+        cache = DeviceCache(self.cache_spec, session, self.session(WRITER_GRAPH), "cuda" if on_cuda else "cpu")
+        return cache.step, cache
+
     def forward(self, tokens: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """tokens (B, T) int64 -> logits (B, T, V) and each routed block's selected positions (B, k).
 
@@ -298,12 +320,12 @@ class Bundle:
         """Generate from each prompt (one batch); see modcli_runtime.generate.generate_tokens for the options."""
         from modcli_runtime.generate import generate_tokens
 
-        self.session("decode")  # a clear error when the bundle has no ONNX decode graph
-        return generate_tokens(self.decode_step, self.cache_spec, prompts, vocab_size=self.vocab_size, text=self.text,
-                               **options)
+        step, cache = self.decoder()  # a clear error when the bundle has no ONNX decode graph
+        return generate_tokens(step, cache, prompts, vocab_size=self.vocab_size, text=self.text, **options)
 
 
 def load_bundle(path: str | Path, provider: str = "cpu", verify: bool = True, allow_invalid: bool = False,
-                threads: int = 0) -> Bundle:
+                threads: int = 0, device_cache: bool | None = None) -> Bundle:
     """Open a bundle: checks its manifest (and the files' sha256 with `verify`); sessions start on first use."""
-    return Bundle(path, provider=provider, verify=verify, allow_invalid=allow_invalid, threads=threads)
+    return Bundle(path, provider=provider, verify=verify, allow_invalid=allow_invalid, threads=threads,
+                  device_cache=device_cache)

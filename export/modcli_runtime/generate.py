@@ -148,6 +148,8 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
                     return_logits: bool = False, text: ByteText | JsonText | None = None) -> Generation:
     """Run the decode graph `step` over a batch of prompts and sample `max_new_tokens` new tokens per prompt.
 
+    `cache_spec` allocates the KV cache and stores each step's rows (`allocate`, `write_rows`): a CacheSpec (numpy
+    buffers) or a modcli_runtime.device.DeviceCache (device OrtValues; `Bundle.decoder()` gives the pair).
     `on_token(row, token)` is called as soon as a token is sampled (streaming). `text` encodes string prompts and
     decodes the outputs (default: bytes).
     """
