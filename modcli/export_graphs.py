@@ -160,11 +160,15 @@ class DecodeStepGraph(nn.Module):
     which nobody stores because processed is false.
     """
 
-    def __init__(self, model: MoDDecoder, routing: str) -> None:
+    def __init__(self, model: MoDDecoder, routing: str, branch_free: bool = False) -> None:
+        """`branch_free`: run a routed block's work on every step (skipped rows still unchanged and not stored)
+        instead of inside `torch.cond`; for CUDA graphs, which cannot hold the host-side branch inductor makes of a
+        cond, at the price of the skip."""
         super().__init__()
         model.check_routing(routing, causal=True)
         self.model = model
         self.routing = routing
+        self.branch_free = branch_free
         config = model.config
         self.processed_row_layers = tuple(layer for layer in range(config.n_layers)
                                           if config.attention_is_routed(layer))
@@ -175,6 +179,13 @@ class DecodeStepGraph(nn.Module):
     def writes_every_row(self, layer: int) -> bool:
         """True when every row stores this step's K/V in `layer`; False when only rows with processed.L do."""
         return layer in self.every_row_layers
+
+    def _branch(self, decisions: Tensor, process, skip, operands: tuple):
+        """process(*operands) when any row processes the token, else skip(*operands): `torch.cond`, or always
+        process when branch-free (process leaves skipped rows unchanged itself)."""
+        if self.branch_free:
+            return process(*operands)
+        return torch.cond(decisions.any(), process, skip, operands)
 
     @property
     def input_names(self) -> list[str]:
@@ -224,8 +235,8 @@ class DecodeStepGraph(nn.Module):
                     weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
                     return residual_update(x, block.mlp(block.mlp_norm(x)), weight, keep=decisions[:, None, None])
 
-                x = torch.cond(decisions.any(), mlp_only, lambda x, router_logits, decisions: x.clone(),
-                               (x, router_logits, decisions))
+                x = self._branch(decisions, mlp_only, lambda x, router_logits, decisions: x.clone(),
+                                 (x, router_logits, decisions))
                 new_rows += [new_keys, new_values]
                 processed.append(decisions)
                 continue
@@ -245,8 +256,8 @@ class DecodeStepGraph(nn.Module):
                 return (x.clone(), torch.zeros(shape, dtype=keys.dtype, device=x.device),
                         torch.zeros(shape, dtype=values.dtype, device=x.device))
 
-            x, new_keys, new_values = torch.cond(
-                decisions.any(), process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions))
+            x, new_keys, new_values = self._branch(
+                decisions, process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions))
             if part == "attention":  # only attention was routed; the MLP runs on every row
                 x = x + block.mlp(block.mlp_norm(x))
             new_rows += [new_keys, new_values]

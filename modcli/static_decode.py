@@ -5,7 +5,10 @@ routed block and gives shapes that change every step. Here every layer's K/V buf
 `max_tokens` and keep their address; one decode step is the export's `DecodeStepGraph` (the cache read only; a
 routed block's work inside `torch.cond`, skipped when no row processes the token) followed by an in-place write of
 the new K/V rows at each row's length (`write_new_rows`). The step has no host sync and no data-dependent shape,
-so it compiles to one graph, and on CUDA it runs as a CUDA graph (`mode="reduce-overhead"`). The causal prefill
+so it compiles to one graph. On CUDA it runs as a CUDA graph (`mode="reduce-overhead"`) and, since inductor turns
+a cond into a host-side branch that a CUDA graph cannot hold, branch-free there (`DecodeStepGraph(branch_free=
+True)`: a routed block's work runs for every row and skipped rows are discarded, so decoding on CUDA gains the
+single launch, not the skip). The causal prefill
 writes into the same buffers through the model's own forward, compiled with the selected count as a symbolic
 size (`modcli.compiling`).
 
@@ -59,10 +62,14 @@ class StaticDecoder:
     """
 
     def __init__(self, model: MoDDecoder, batch: int, max_tokens: int, routing: str, device: torch.device,
-                 dtype: str = "float32", compile: bool = True) -> None:
+                 dtype: str = "float32", compile: bool = True, branch_free: bool | None = None) -> None:
         self.model, self.routing = model, routing
         self.cache = DecoderCache.allocate(model.config, batch, max_tokens, device, TORCH_DTYPES[dtype], static=True)
-        self._step_module = StaticDecodeStep(DecodeStepGraph(model, routing).eval(), self.cache)
+        # CUDA graphs cannot hold the host-side branch inductor makes of torch.cond: there the step is branch-free
+        # (one graph launch a step; a routed block's work is done for every row and discarded for skipped rows).
+        self.branch_free = device.type == "cuda" and compile if branch_free is None else branch_free
+        graph = DecodeStepGraph(model, routing, branch_free=self.branch_free).eval()
+        self._step_module = StaticDecodeStep(graph, self.cache)
         self.compile_stats = CompileStats()
         self.compiled = compile
         if compile:

@@ -36,7 +36,8 @@ def _model(**overrides) -> MoDDecoder:
 
 
 @torch.no_grad()
-def _eager_and_static(model: MoDDecoder, routing: str, compile: bool, lengths=(5, 17, 11), steps: int = 8):
+def _eager_and_static(model: MoDDecoder, routing: str, compile: bool, lengths=(5, 17, 11), steps: int = 8,
+                      branch_free: bool | None = None):
     """Logits of a padded prefill then `steps` decode steps, eager (DecoderCache) and static; both caches."""
     batch = len(lengths)
     tokens = torch.randint(0, model.config.vocab_size, (batch, max(lengths)))
@@ -46,7 +47,8 @@ def _eager_and_static(model: MoDDecoder, routing: str, compile: bool, lengths=(5
     cache = DecoderCache.allocate(model.config, batch, max(lengths) + steps, CPU)
     eager = [model(tokens, routing, cache=cache, lengths=lengths)[rows, lengths - 1]]
     eager += [model.decode_step(new_tokens[step], cache, routing) for step in range(steps)]
-    static = StaticDecoder(model, batch, int(max(lengths)) + steps, routing, CPU, compile=compile)
+    static = StaticDecoder(model, batch, int(max(lengths)) + steps, routing, CPU, compile=compile,
+                           branch_free=branch_free)
     static.warm_up(tokens, lengths)
     got = [static.prefill(tokens, lengths)[rows, lengths - 1]]
     got += [static.step(new_tokens[step]) for step in range(steps)]
@@ -66,6 +68,16 @@ def test_static_decoder_equals_eager_decoding(overrides, routing):
     for layer in range(model.config.n_layers):  # each layer stored exactly what the eager cache stored
         assert static.cache.layers[layer].lengths.tolist() == cache.layers[layer].lengths.tolist(), layer
     assert static.cache.positions.tolist() == cache.positions.tolist()
+
+
+def test_branch_free_static_decoder_equals_eager_decoding():
+    """The CUDA-graph form: a routed block's work on every step, skipped rows discarded and not stored."""
+    model = _model()
+    eager, branch_free, cache, static = _eager_and_static(model, "router", compile=False, branch_free=True)
+    assert static.branch_free
+    torch.testing.assert_close(branch_free, eager, atol=ATOL, rtol=0)
+    for layer in range(model.config.n_layers):
+        assert static.cache.layers[layer].lengths.tolist() == cache.layers[layer].lengths.tolist()
 
 
 def test_static_cache_is_preallocated_and_keeps_its_address():
