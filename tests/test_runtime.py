@@ -170,30 +170,31 @@ def test_time_bundle_reports_latencies_for_profile(bundle):
 # ----------------------------------------------------------------------------------------------- the KV cache
 
 
-def test_cache_spec_writes_rows_in_place_and_grows_by_doubling():
+@pytest.mark.parametrize("batch", [3, 6])  # a few rows are written one by one, more with advanced indexing
+def test_cache_spec_writes_rows_in_place_and_grows_by_doubling(batch):
     from modcli_runtime import CacheSpec
 
     spec = CacheSpec(n_layers=2, n_heads=2, head_dim=3, dtype="float32", routed_layers=[1], capacity=(1, 8),
                      processed_row_layers=[1])
-    feeds = spec.allocate(batch=3, max_tokens=200)
-    assert feeds["keys.0"].shape == (3, 2, 200, 3) and feeds["keys.1"].shape == (3, 2, 50, 3)
+    feeds = spec.allocate(batch=batch, max_tokens=200)
+    assert feeds["keys.0"].shape == (batch, 2, 200, 3) and feeds["keys.1"].shape == (batch, 2, 50, 3)
     dense_buffer = feeds["keys.0"]
     rng = np.random.default_rng(0)
-    stored: dict[int, list[list[np.ndarray]]] = {0: [[], [], []], 1: [[], [], []]}
+    stored: dict[int, list[list[np.ndarray]]] = {layer: [[] for _ in range(batch)] for layer in range(2)}
     for step in range(60):
-        outputs = {f"new_{kind}.{layer}": rng.standard_normal((3, 2, 1, 3)).astype(np.float32)
+        outputs = {f"new_{kind}.{layer}": rng.standard_normal((batch, 2, 1, 3)).astype(np.float32)
                    for layer in range(2) for kind in ("keys", "values")}
-        outputs["processed.1"] = np.array([True, step % 3 == 0, False])
+        outputs["processed.1"] = np.array([True, step % 3 == 0, False] * (batch // 3))
         spec.write_rows(feeds, outputs)
         for layer in range(2):
-            for row in range(3):
+            for row in range(batch):
                 if layer == 0 or outputs["processed.1"][row]:
                     stored[layer][row].append(outputs[f"new_keys.{layer}"][row, :, 0])
     assert feeds["keys.0"] is dense_buffer  # written in place, never reallocated
-    assert feeds["lengths.0"].tolist() == [60, 60, 60] and feeds["lengths.1"].tolist() == [60, 20, 0]
+    assert feeds["lengths.0"].tolist() == [60] * batch and feeds["lengths.1"].tolist() == [60, 20, 0] * (batch // 3)
     assert feeds["keys.1"].shape[2] == 100  # 50 slots doubled once, when row 0 needed its 51st
     for layer in range(2):
-        for row in range(3):
+        for row in range(batch):
             kept = feeds[f"lengths.{layer}"][row]
             assert np.array_equal(feeds[f"keys.{layer}"][row, :, :kept].transpose(1, 0, 2),
                                   np.array(stored[layer][row]).reshape(kept, 2, 3))

@@ -196,19 +196,33 @@ class CacheSpec:
         and only for rows with processed.L[b] true in `processed_row_layers`; those rows' lengths grow by one. Only
         the written rows are touched (a buffer is reallocated only when it must grow).
         """
-        batch = feeds[f"lengths.{0}"].shape[0] if self.n_layers else 0
-        every_row = np.arange(batch)
-        for layer in range(self.n_layers):
-            rows = every_row if self.writes_every_row(layer) else np.flatnonzero(outputs[f"processed.{layer}"])
-            if rows.size == 0:
-                continue
-            lengths = feeds[f"lengths.{layer}"]
+        for layer, every_row in enumerate(self._every_row):
+            keys_name, values_name, lengths_name = self._names[layer]
+            lengths = feeds[lengths_name]
+            if every_row:
+                rows = np.arange(lengths.shape[0])
+            else:
+                processed = outputs[f"processed.{layer}"]
+                if not processed.any():  # the block skipped the token in every row: nothing to store
+                    continue
+                rows = np.flatnonzero(processed)
             slots = lengths[rows]  # (n,)
-            self._grow(feeds, layer, int(slots.max()) + 1)
-            for name in ("keys", "values"):
-                # (n, Hkv, hd) into (B, Hkv, S, hd) at [row, :, slot, :]
-                feeds[f"{name}.{layer}"][rows, :, slots] = outputs[f"new_{name}.{layer}"][rows, :, 0]
+            if slots.max() >= feeds[keys_name].shape[2]:
+                self._grow(feeds, layer, int(slots.max()) + 1)
+            new_keys, new_values = outputs[f"new_{keys_name}"], outputs[f"new_{values_name}"]
+            keys, values = feeds[keys_name], feeds[values_name]
+            if rows.size <= 4:  # a few rows: plain indexing is cheaper than numpy's advanced indexing
+                for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
+                    keys[row, :, slot] = new_keys[row, :, 0]
+                    values[row, :, slot] = new_values[row, :, 0]
+            else:  # (n, Hkv, hd) into (B, Hkv, S, hd) at [row, :, slot, :]
+                keys[rows, :, slots] = new_keys[rows, :, 0]
+                values[rows, :, slots] = new_values[rows, :, 0]
             lengths[rows] = slots + 1
+
+    def __post_init__(self) -> None:
+        self._every_row = tuple(self.writes_every_row(layer) for layer in range(self.n_layers))
+        self._names = tuple((f"keys.{layer}", f"values.{layer}", f"lengths.{layer}") for layer in range(self.n_layers))
 
 
 class Bundle:
