@@ -28,6 +28,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch / onnxruntime star
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -168,6 +169,13 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "export"))
 
     work = Path(tempfile.mkdtemp(prefix="onnx-decode-scaling-"))
+    try:
+        measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
     checkpoints = ({"run": Path(args.run)} if args.run else
                    {"skip": fresh_checkpoint(work / "skip", -30.0), "process": fresh_checkpoint(work / "process", 30.0)})
     bundles = {}
