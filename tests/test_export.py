@@ -118,20 +118,24 @@ def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing, part, kv_h
     assert all(0 < cache.layers[layer].lengths.sum() < batch * steps for layer in routed)  # both branches used
 
 
-def test_write_new_rows_writes_only_the_rows_that_keep_their_kv_in_place():
+def test_write_new_rows_keeps_only_the_rows_that_keep_their_kv_in_place():
     from modcli.export_graphs import write_new_rows
 
     keys, values = torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)
     before_keys, before_values = keys.clone(), values.clone()
-    lengths = torch.tensor([0, 2, 4])  # row 2 is full
+    lengths = torch.tensor([0, 2, 3])  # each row has room, as during every valid step
     new_keys, new_values = torch.randn(3, 2, 1, 5), torch.randn(3, 2, 1, 5)
     writes = torch.tensor([True, False, False])
+    addresses = keys.data_ptr(), values.data_ptr()
     new_lengths = write_new_rows(keys, values, lengths, new_keys, new_values, writes)
-    assert new_lengths.tolist() == [1, 2, 4] and lengths.tolist() == [0, 2, 4]
+    assert (keys.data_ptr(), values.data_ptr()) == addresses  # in place
+    assert new_lengths.tolist() == [1, 2, 3] and lengths.tolist() == [0, 2, 3]
     assert torch.equal(keys[0, :, 0], new_keys[0, :, 0]) and torch.equal(values[0, :, 0], new_values[0, :, 0])
     assert torch.equal(keys[0, :, 1:], before_keys[0, :, 1:])
-    assert torch.equal(keys[1:], before_keys[1:]) and torch.equal(values[1:], before_values[1:])  # bit for bit
-    assert write_new_rows(keys, values, new_lengths, new_keys, new_values, None).tolist() == [2, 3, 5]
+    for row, length in ((1, 2), (2, 3)):  # rows that keep nothing: every slot of their length bit for bit
+        assert torch.equal(keys[row, :, :length], before_keys[row, :, :length])
+        assert torch.equal(values[row, :, :length], before_values[row, :, :length])
+    assert write_new_rows(keys, values, new_lengths, new_keys, new_values, None).tolist() == [2, 3, 4]
     assert torch.equal(keys[1, :, 2], new_keys[1, :, 0]) and torch.equal(values[0, :, 1], new_values[0, :, 0])
     compiled = torch.compile(write_new_rows, fullgraph=True, dynamic=False)  # static shapes, no graph break
     assert compiled(keys, values, torch.tensor([3, 0, 1]), new_keys, new_values, writes).tolist() == [4, 0, 1]
