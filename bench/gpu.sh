@@ -3,7 +3,8 @@
 # dense twin over a few shapes and writes everything into $OUT (at most 8 files come back from the device tool):
 #
 #   nvidia-smi.txt, gpu_small_bf16.json, gpu_base_bf16.json (+ .png), gpu_base_fp32.json,
-#   gpu_base_bf16_compile.json, summary.md, log.txt
+#   gpu_base_bf16_compiled.json (eager and torch.compile side by side: forward, causal prefill, and the static-shape
+#   decode step as a CUDA graph), summary.md, log.txt
 #
 # Run from the repository root, e.g. through the device tool:  OUT=$OUT bash bench/gpu.sh
 # Try it on a CPU with tiny shapes:  DEVICE=cpu SMOKE=1 OUT=/tmp/gpu-smoke bash bench/gpu.sh
@@ -38,7 +39,8 @@ profile() {  # a name, a time limit in seconds, then flags
 profile gpu_small_bf16 120 "${SMALL[@]}" --dtype bfloat16
 profile gpu_base_bf16 150 "${BASE[@]}" --dtype bfloat16 --plot "$OUT/gpu_base_bf16.png"
 profile gpu_base_fp32 90 "${BASE_FP32[@]}" --dtype float32 --no-memory
-profile gpu_base_bf16_compile 150 "${ONE[@]}" --dtype bfloat16 --compile --measure forward --no-memory
+profile gpu_base_bf16_compiled 300 "${ONE[@]}" --dtype bfloat16 --backends eager,compiled --measure forward,decode \
+  --no-memory
 
 "$PY" - "$OUT" > "$OUT/summary.md" <<'PY'
 import json, pathlib, sys
@@ -65,5 +67,24 @@ for path in sorted(out.glob("gpu_*.json")):
         mem = m and m["peak_mem_bytes"] and f"{m['peak_mem_bytes'] / 2**20:.0f} / {b['peak_mem_bytes'] / 2**20:.0f}"
         cells.append(mem or "-")
         print("| " + " | ".join(cells) + " |")
+print()
+print("| run | T | backend | measurement | MoD ms | dense ms | ratio | FLOP ideal | compile s MoD/dense |")
+print("|---|---|---|---|---|---|---|---|---|")
+for path in sorted(out.glob("gpu_*.json")):
+    try:
+        p = json.loads(path.read_text())
+    except ValueError:
+        continue
+    for r in p["results"]:
+        for backend in p.get("backends", ["eager"]):
+            for name in ("forward", "train_step", "prefill", "decode"):
+                m = r["model"][name] if backend == "eager" else r["model"].get(backend, {}).get(name)
+                b = r["baseline"][name] if backend == "eager" else r["baseline"].get(backend, {}).get(name)
+                q = r["ratio"].get(f"{name}_latency" if backend == "eager" else f"{backend}_{name}_latency")
+                if not m or not b or not q or len(p.get("backends", [])) < 2:
+                    continue
+                compile_s = " / ".join(f"{t['compile_s']:.1f}" for t in (m, b) if t.get("compile_s")) or "-"
+                print(f"| {path.stem} | {r['seq_len']} | {backend} | {name} | {m['latency_ms']:.2f} | "
+                      f"{b['latency_ms']:.2f} | {q['measured']:.3f} | {q['ideal']:.3f} | {compile_s} |")
 PY
 cat "$OUT/summary.md"
