@@ -126,7 +126,21 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.A
         [{"params": params, "weight_decay": config.weight_decay if decays else 0.0,
           "lr_scale": config.router_lr_scale if is_router else 1.0}
          for (decays, is_router), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
-        lr=config.lr, betas=(0.9, 0.95))
+        lr=config.lr, betas=(0.9, 0.95), **_fused_if_possible([p for params in groups.values() for p in params]))
+
+
+def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """AdamW's fused kernel where it exists (plain CPU or CUDA tensors): one kernel over all parameters instead of
+    a loop of small ops. On the small preset's 6.5M parameters, one CPU step takes 6.8 ms fused against 64.5 ms
+    (for-loop, PyTorch's CPU default): the update does not shrink with routed tokens, so it was a third of an MoD
+    training step. Sharded (FSDP2 DTensor) or other devices' parameters keep PyTorch's default."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - builds without distributed
+        DTensor = ()  # noqa: N806
+    plain = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                for p in params)
+    return {"fused": True} if params and plain else {}
 
 
 def capacity_at(step: int, model_config: ModelConfig, config: TrainConfig) -> float:
