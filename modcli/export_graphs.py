@@ -147,6 +147,26 @@ def write_new_rows(keys: Tensor, values: Tensor, lengths: Tensor, new_keys: Tens
     return lengths + 1 if writes is None else lengths + writes.to(lengths.dtype)
 
 
+def _process_rows(block: Block, part: str, cap: int, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor,
+                  values: Tensor, lengths: Tensor, router_logits: Tensor, decisions: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """A routed block on at most `cap` of the B rows (every row that processes the token is among them: the caller
+    checked decisions.sum() <= cap): gather those rows and their caches, run the block on (cap, 1, D), write back.
+    Returns x (B, 1, D) with skipped rows bit for bit unchanged, and the step's K/V (B, Hkv, 1, hd) (zero for rows
+    not computed; their processed flag is false, so nobody stores them)."""
+    batch = x.shape[0]
+    rows = (~decisions).to(torch.int32).topk(cap, largest=False).indices  # (cap,) the processing rows, then filler
+    delta, new_keys, new_values = _decode_delta(block, x[rows], cos[rows], sin[rows], keys[rows], values[rows],
+                                                lengths[rows], part)  # (cap, 1, D), (cap, Hkv, 1, hd)
+    weight = block.router.weight(router_logits[rows]).unsqueeze(-1)  # (cap, 1, 1)
+    updated = residual_update(x[rows], delta, weight, keep=decisions[rows][:, None, None])  # filler rows: x as is
+    x = x.index_put((rows,), updated)
+    shape = (batch, *new_keys.shape[1:])
+    new_keys = new_keys.new_zeros(shape).index_put((rows,), new_keys)
+    new_values = new_values.new_zeros(shape).index_put((rows,), new_values)
+    return x, new_keys, new_values
+
+
 class DecodeStepGraph(nn.Module):
     """One decode step against a read-only KV cache.
 
@@ -160,15 +180,22 @@ class DecodeStepGraph(nn.Module):
     which nobody stores because processed is false.
     """
 
-    def __init__(self, model: MoDDecoder, routing: str, branch_free: bool = False) -> None:
+    def __init__(self, model: MoDDecoder, routing: str, branch_free: bool = False, row_cap: int | None = None) -> None:
         """`branch_free`: run a routed block's work on every step (skipped rows still unchanged and not stored)
         instead of inside `torch.cond`; for CUDA graphs, which cannot hold the host-side branch inductor makes of a
-        cond, at the price of the skip."""
+        cond, at the price of the skip.
+
+        `row_cap` (a static batch larger than it; not for export, whose batch is dynamic): when at most `row_cap`
+        rows process the token, a routed block gathers those rows (and their caches) and computes only them, in
+        static shapes; more rows than that take the all-rows branch. With B x capacity rows expected to process,
+        a cap of about twice that makes most steps cost what the rows that process cost.
+        """
         super().__init__()
         model.check_routing(routing, causal=True)
         self.model = model
         self.routing = routing
         self.branch_free = branch_free
+        self.row_cap = row_cap
         config = model.config
         self.processed_row_layers = tuple(layer for layer in range(config.n_layers)
                                           if config.attention_is_routed(layer))
@@ -255,6 +282,18 @@ class DecodeStepGraph(nn.Module):
                 shape = (x.shape[0], block.attn.n_kv_heads, 1, block.attn.head_dim)
                 return (x.clone(), torch.zeros(shape, dtype=keys.dtype, device=x.device),
                         torch.zeros(shape, dtype=values.dtype, device=x.device))
+
+            if self.row_cap is not None and not self.branch_free and self.row_cap < x.shape[0]:
+                all_rows = process
+
+                def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block, part=part,
+                            all_rows=all_rows, cap=self.row_cap):
+                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions):
+                        return _process_rows(block, part, cap, x, cos, sin, keys, values, lengths, router_logits,
+                                             decisions)
+
+                    return torch.cond(decisions.sum() <= cap, capped, all_rows,
+                                      (x, cos, sin, keys, values, lengths, router_logits, decisions))
 
             x, new_keys, new_values = self._branch(
                 decisions, process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions))

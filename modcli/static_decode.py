@@ -19,6 +19,8 @@ stored). What they buy: no Python, no allocation and no sync per step.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -68,7 +70,11 @@ class StaticDecoder:
         # CUDA graphs cannot hold the host-side branch inductor makes of torch.cond: there the step is branch-free
         # (one graph launch a step; a routed block's work is done for every row and discarded for skipped rows).
         self.branch_free = device.type == "cuda" and compile if branch_free is None else branch_free
-        graph = DecodeStepGraph(model, routing, branch_free=self.branch_free).eval()
+        # At batch > 1, a step where few rows process the token computes only those (up to about twice the expected
+        # B x capacity rows; more take the all-rows branch).
+        row_cap = max(1, math.ceil(2 * batch * model.config.capacity)) if not model.config.dense else None
+        graph = DecodeStepGraph(model, routing, branch_free=self.branch_free,
+                                row_cap=row_cap if row_cap is not None and row_cap < batch else None).eval()
         self._step_module = StaticDecodeStep(graph, self.cache)
         self.compile_stats = CompileStats()
         self.compiled = compile

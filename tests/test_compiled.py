@@ -70,6 +70,28 @@ def test_static_decoder_equals_eager_decoding(overrides, routing):
     assert static.cache.positions.tolist() == cache.positions.tolist()
 
 
+def test_row_capped_steps_equal_eager_decoding_on_both_sides_of_the_cap():
+    """Batch 6, capacity 0.25: a routed block computes at most 3 gathered rows when few rows process the token, all
+    rows otherwise; both kinds of step occur here and both equal eager decoding."""
+    model = _model()
+    lengths = (3, 9, 5, 7, 4, 8)
+    eager, static_logits, cache, static = _eager_and_static(model, "router", compile=False, lengths=lengths, steps=10)
+    torch.testing.assert_close(static_logits, eager, atol=ATOL, rtol=0)
+    assert static._step_module.graph.row_cap == 3
+    torch.manual_seed(1)
+    counts = []  # rows that processed each step, per routed block, from an eager replay
+    replay = DecoderCache.allocate(model.config, 6, 20, CPU)
+    with torch.no_grad():
+        model(torch.randint(0, 256, (6, 9)), "router", cache=replay, lengths=torch.tensor(lengths))
+        for _ in range(10):
+            before = [replay.layers[layer].lengths.clone() for layer in (1, 3)]
+            model.decode_step(torch.randint(0, 256, (6,)), replay, "router")
+            counts += [int((replay.layers[layer].lengths - old).sum()) for layer, old in zip((1, 3), before)]
+    assert min(counts) <= 3 < max(counts)
+    for layer in range(model.config.n_layers):
+        assert static.cache.layers[layer].lengths.tolist() == cache.layers[layer].lengths.tolist()
+
+
 def test_branch_free_static_decoder_equals_eager_decoding():
     """The CUDA-graph form: a routed block's work on every step, skipped rows discarded and not stored."""
     model = _model()
