@@ -15,9 +15,9 @@ class LayerKVCache:
     """K/V of one layer for a batch: (B, H, slots, head_dim) buffers and per-sequence lengths (B,)."""
 
     def __init__(self, batch: int, n_heads: int, head_dim: int, slots: int, max_slots: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, static: bool = False) -> None:
         self.max_slots = max_slots
-        self.static = slots == max_slots  # never grows: buffers keep their address (compiled steps, CUDA graphs)
+        self.static = static  # never grows: buffers keep their address (compiled steps, CUDA graphs)
         self.keys = torch.zeros(batch, n_heads, slots, head_dim, device=device, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
@@ -125,7 +125,8 @@ class DecoderCache:
                 slots = min(max_tokens, max(16, 2 * config.capacity_tokens(max_tokens)))
             else:
                 slots = max_tokens
-            layers.append(LayerKVCache(batch, config.kv_heads, config.head_dim, slots, max_tokens, device, dtype))
+            layers.append(LayerKVCache(batch, config.kv_heads, config.head_dim, slots, max_tokens, device, dtype,
+                                       static))
         return cls(layers, torch.zeros(batch, dtype=torch.long, device=device), max_tokens)
 
     def truncate(self, lengths: Tensor) -> None:

@@ -86,7 +86,7 @@ def test_row_capped_steps_equal_eager_decoding_on_both_sides_of_the_cap():
         for _ in range(10):
             before = [replay.layers[layer].lengths.clone() for layer in (1, 3)]
             model.decode_step(torch.randint(0, 256, (6,)), replay, "router")
-            counts += [int((replay.layers[layer].lengths - old).sum()) for layer, old in zip((1, 3), before)]
+            counts += [int((replay.layers[layer].lengths - old).sum()) for layer, old in zip((1, 3), before, strict=True)]
     assert min(counts) <= 3 < max(counts)
     for layer in range(model.config.n_layers):
         assert static.cache.layers[layer].lengths.tolist() == cache.layers[layer].lengths.tolist()
@@ -138,7 +138,7 @@ def test_compiled_forward_and_causal_prefill_have_no_graph_breaks():
     for routing in ("topk", "router"):
         stats = CompileStats()
         compiled = compile_module(lambda t, routing=routing: model(t, routing), CPU, dynamic=None)
-        logits = first_call(lambda: compiled(tokens), stats)
+        logits = first_call(lambda compiled=compiled: compiled(tokens), stats)
         torch.testing.assert_close(logits, model(tokens, routing), atol=ATOL, rtol=0)
         assert stats.graph_breaks == 0, stats.break_reasons
 
