@@ -273,6 +273,9 @@ class ProfileResult:
 
 def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
     """Profile a model (and the model it is compared with) as `config` says."""
+    from modcli.runtime import tune_cpu_allocator
+
+    tune_cpu_allocator()  # what `modcli` does at start: the timings are those of the command
     from modcli.export_bundle import time_bundle  # onnxruntime is imported only when --onnx is given
 
     for bundle in config.onnx:
@@ -926,9 +929,12 @@ def write_plot(result: ProfileResult, path: str) -> None:
 
 
 def _environment() -> dict[str, str]:
+    from modcli.runtime import ALLOCATOR_NOTE
+
     names = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT", "KMP_BLOCKTIME",
-             "CUDA_VISIBLE_DEVICES")
-    return {name: os.environ[name] for name in names if name in os.environ}
+             "CUDA_VISIBLE_DEVICES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+    found = {name: os.environ[name] for name in names if name in os.environ}
+    return found | ({"allocator": ALLOCATOR_NOTE} if ALLOCATOR_NOTE else {})
 
 
 def _load_avg() -> list[float]:
