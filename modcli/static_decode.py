@@ -8,7 +8,8 @@ the new K/V rows at each row's length (`write_new_rows`). The step has no host s
 so it compiles to one graph. On CUDA it runs as a CUDA graph (`mode="reduce-overhead"`) and, since inductor turns
 a cond into a host-side branch that a CUDA graph cannot hold, branch-free there (`DecodeStepGraph(branch_free=
 True)`: a routed block's work runs for every row and skipped rows are discarded, so decoding on CUDA gains the
-single launch, not the skip). The causal prefill
+single launch, not the skip). At batch > 1 a routed block whose token only a few rows process computes just
+those rows, gathered into a fixed number of slots (`DecodeStepGraph(row_cap=...)`). The causal prefill
 writes into the same buffers through the model's own forward, compiled with the selected count as a symbolic
 size (`modcli.compiling`).
 
