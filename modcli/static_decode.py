@@ -25,8 +25,10 @@ import math
 import torch
 from torch import Tensor, nn
 
+from modcli.architectures import architecture
 from modcli.cache import DecoderCache
 from modcli.compiling import CompileStats, compile_module, first_call
+from modcli.errors import UserError
 from modcli.export_graphs import DecodeStepGraph
 from modcli.model import MoDDecoder
 from modcli.runtime import TORCH_DTYPES
@@ -66,7 +68,13 @@ class StaticDecoder:
 
     def __init__(self, model: MoDDecoder, batch: int, max_tokens: int, routing: str, device: torch.device,
                  dtype: str = "float32", compile: bool = True, branch_free: bool | None = None) -> None:
+        family = architecture(model.config.arch)
+        if not family.exportable:
+            raise UserError(f"--compile: static decoding uses the export's decode step, which --arch "
+                            f"{model.config.arch} does not have ({family.export_note})")
         self.model, self.routing = model, routing
+        self.prefill_s = 0.0
+        """Seconds of the last `prefill` (set by the callers that time it)."""
         self.cache = DecoderCache.allocate(model.config, batch, max_tokens, device, TORCH_DTYPES[dtype], static=True)
         # CUDA graphs cannot hold the host-side branch inductor makes of torch.cond: there the step is branch-free
         # (one graph launch a step; a routed block's work is done for every row and discarded for skipped rows).

@@ -155,6 +155,16 @@ def test_generate_compile_gives_the_eager_text(tmp_path, trained_run):
     assert eager["compile_s"] is None
 
 
+def test_static_decoding_refuses_a_family_without_a_decode_graph():
+    from modcli.errors import UserError
+    from modcli.recursion import RecursionDecoder
+    from tests.test_recursion import recursion_config
+
+    model = RecursionDecoder(recursion_config()).eval()
+    with pytest.raises(UserError, match="--compile.*recursion"):
+        StaticDecoder(model, 1, 16, "router", CPU, compile=False)
+
+
 def test_generate_compile_refuses_exit_decoding(trained_run):
     result = runner.invoke(app, ["generate", str(trained_run), "--compile", "--exit-threshold", "0.9"])
     assert result.exit_code == 2
