@@ -45,14 +45,16 @@ profile gpu_base_bf16_compiled 300 "${ONE[@]}" --dtype bfloat16 --backends eager
 "$PY" - "$OUT" > "$OUT/summary.md" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
+runs = []  # (path, profile) of every result that came back whole
+for path in sorted(out.glob("gpu_*.json")):
+    try:
+        runs.append((path, json.loads(path.read_text())))
+    except ValueError:
+        continue
 print("| run | T | fwd ms MoD/dense | fwd ratio (ideal) | train ms MoD/dense | train ratio (ideal) | decode ms/step "
       "MoD/dense | decode ratio (ideal) | KV ratio | peak mem train MoD/dense MiB |")
 print("|---|---|---|---|---|---|---|---|---|---|")
-for path in sorted(out.glob("gpu_*.json")):
-    try:
-        p = json.loads(path.read_text())
-    except ValueError:
-        continue
+for path, p in runs:
     for r in p["results"]:
         cells = [f"{path.stem} ({p['device_name']}, batch {p['batch_size']})", str(r["seq_len"])]
         for name in ("forward", "train_step", "decode"):
@@ -70,11 +72,7 @@ for path in sorted(out.glob("gpu_*.json")):
 print()
 print("| run | T | backend | measurement | MoD ms | dense ms | ratio | FLOP ideal | compile s MoD/dense |")
 print("|---|---|---|---|---|---|---|---|---|")
-for path in sorted(out.glob("gpu_*.json")):
-    try:
-        p = json.loads(path.read_text())
-    except ValueError:
-        continue
+for path, p in runs:
     for r in p["results"]:
         for backend in p.get("backends", ["eager"]):
             for name in ("forward", "train_step", "prefill", "decode"):

@@ -491,34 +491,49 @@ def train_call(model: MoDDecoder, step_model, tokens: torch.Tensor, device: torc
     return call
 
 
+def decode_tokens_for(vocab_size: int, batch: int, seq_len: int, decode_tokens: int,
+                      device: torch.device) -> torch.Tensor:
+    """The fixed tokens every decode measurement feeds after a prefill of T = seq_len tokens: (decode_tokens, B).
+    Fixed rather than sampled, so sampling costs nothing and every call (and every backend) decodes the same."""
+    generator = torch.Generator().manual_seed(seq_len)
+    return torch.randint(0, vocab_size, (decode_tokens, batch), generator=generator).to(device)
+
+
+def _prefill_then_steps(prefill: Callable[[], Any], step: Callable[[torch.Tensor], Any], new_tokens: torch.Tensor,
+                        device: torch.device, dtype: str) -> dict[str, float]:
+    """Time prefill() and then one step(token row) per row of new_tokens: seconds of the prefill and per step."""
+    _sync(device)
+    start = time.perf_counter()
+    with autocast(device, dtype):
+        prefill()
+    _sync(device)
+    prefilled = time.perf_counter()
+    with autocast(device, dtype):
+        for tokens in new_tokens:
+            step(tokens)
+    _sync(device)
+    return {"prefill": prefilled - start, "decode": (time.perf_counter() - prefilled) / len(new_tokens)}
+
+
 def decode_call(model: MoDDecoder, tokens: torch.Tensor, decode_tokens: int, routing: str, device: torch.device,
                 dtype: str, keep: dict | None = None) -> Callable[[], dict[str, float]]:
-    """Causal prefill of the T tokens into a fresh KV cache, then `decode_tokens` decode steps.
+    """Causal prefill of the T tokens into a fresh KV cache, then `decode_tokens` decode steps (eager).
 
-    The decode inputs are fixed tokens rather than samples, so sampling costs nothing and every call decodes the
-    same thing. The last call's cache is left in `keep["cache"]`.
+    The last call's cache is left in `keep["cache"]`.
     """
-    batch = tokens.shape[0]
-    generator = torch.Generator().manual_seed(tokens.shape[1])
-    new_tokens = torch.randint(0, model.config.vocab_size, (decode_tokens, batch), generator=generator).to(device)
+    batch, seq_len = tokens.shape
+    new_tokens = decode_tokens_for(model.config.vocab_size, batch, seq_len, decode_tokens, device)
     kv_dtype = TORCH_DTYPES[dtype]
 
     @torch.no_grad()
     def call() -> dict[str, float]:
-        cache = DecoderCache.allocate(model.config, batch, tokens.shape[1] + decode_tokens, device, kv_dtype)
-        _sync(device)
-        start = time.perf_counter()
-        with autocast(device, dtype):
-            model(tokens, routing, cache=cache)
-        _sync(device)
-        prefilled = time.perf_counter()
-        with autocast(device, dtype):
-            for step in range(decode_tokens):
-                model.decode_step(new_tokens[step], cache, routing)
-        _sync(device)
+        cache = DecoderCache.allocate(model.config, batch, seq_len + decode_tokens, device, kv_dtype)
+        seconds = _prefill_then_steps(lambda: model(tokens, routing, cache=cache),
+                                      lambda step_tokens: model.decode_step(step_tokens, cache, routing),
+                                      new_tokens, device, dtype)
         if keep is not None:
             keep["cache"] = cache
-        return {"prefill": prefilled - start, "decode": (time.perf_counter() - prefilled) / decode_tokens}
+        return seconds
 
     return call
 
@@ -527,25 +542,13 @@ def static_decode_call(static, tokens: torch.Tensor, decode_tokens: int, device:
                        dtype: str) -> Callable[[], dict[str, float]]:
     """`decode_call` through a compiled `modcli.static_decode.StaticDecoder`: its compiled causal prefill, then
     its compiled static-shape decode step, on the same tokens."""
-    batch = tokens.shape[0]
-    generator = torch.Generator().manual_seed(tokens.shape[1])
-    new_tokens = torch.randint(0, static.model.config.vocab_size, (decode_tokens, batch),
-                               generator=generator).to(device)
+    batch, seq_len = tokens.shape
+    new_tokens = decode_tokens_for(static.model.config.vocab_size, batch, seq_len, decode_tokens, device)
 
     @torch.no_grad()
     def call() -> dict[str, float]:
         static.reset()
-        _sync(device)
-        start = time.perf_counter()
-        with autocast(device, dtype):
-            static.prefill(tokens)
-        _sync(device)
-        prefilled = time.perf_counter()
-        with autocast(device, dtype):
-            for step in range(decode_tokens):
-                static.step(new_tokens[step])
-        _sync(device)
-        return {"prefill": prefilled - start, "decode": (time.perf_counter() - prefilled) / decode_tokens}
+        return _prefill_then_steps(lambda: static.prefill(tokens), static.step, new_tokens, device, dtype)
 
     return call
 
@@ -714,9 +717,9 @@ def _counted_decode(model: MoDDecoder, tokens: torch.Tensor, config: ProfileConf
     device = tokens.device
     cache = DecoderCache.allocate(model.config, tokens.shape[0], tokens.shape[1] + config.decode_tokens, device,
                                   TORCH_DTYPES[config.dtype])
-    generator = torch.Generator().manual_seed(tokens.shape[1])
-    new_tokens = torch.randint(0, model.config.vocab_size, (config.decode_tokens, tokens.shape[0]),
-                               generator=generator).to(device)
+    new_tokens = decode_tokens_for(model.config.vocab_size, tokens.shape[0], tokens.shape[1], config.decode_tokens,
+                                   device)
+
     def decode_all() -> None:
         for step in range(config.decode_tokens):
             model.decode_step(new_tokens[step], cache, config.routing)

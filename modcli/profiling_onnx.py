@@ -23,50 +23,58 @@ import torch
 from modcli.cache import DecoderCache
 from modcli.model import MoDDecoder
 
+CPU = torch.device("cpu")
 
-def onnxruntime_calls(config, models: dict[str, MoDDecoder], seq_len: int, device: torch.device,
-                      folder: Path | None = None) -> dict[tuple[str, str], Callable]:
+
+def onnxruntime_calls(config, models: dict[str, MoDDecoder], seq_len: int,
+                      device: torch.device) -> dict[tuple[str, str], Callable]:
     """(model name, forward|decode) -> a call returning {quantity: seconds}, for `_interleaved`."""
-    from modcli_runtime.bundle import CacheSpec, create_session, session_providers
+    from modcli_runtime.bundle import CacheSpec, session_providers
 
-    from modcli.export_lowering import MIN_OPSET, decode_spec, export_onnx, export_program, forward_spec
+    from modcli.export_lowering import decode_spec, forward_spec
+    from modcli.profiling import _tokens, decode_tokens_for
 
-    folder = Path(folder or tempfile.mkdtemp(prefix="modcli-profile-onnx-"))
     providers = session_providers("cuda" if device.type == "cuda" else "cpu")
     threads = torch.get_num_threads()
     batch = config.batch_size
     calls: dict[tuple[str, str], Callable] = {}
-    for name, model in models.items():
-        cpu_model = model.to("cpu").eval()
-        sessions = {}
-        for spec in ([forward_spec(cpu_model)] if "forward" in config.measure else []) + (
-                [decode_spec(cpu_model, config.routing)] if "decode" in config.measure else []):
-            path = folder / f"{name}.{spec.name}.onnx"
-            export_onnx(spec, export_program(spec), path, MIN_OPSET)
-            sessions[spec.name] = (create_session(path, providers, threads=threads), spec)
-        model.to(device)
-        generator = torch.Generator().manual_seed(config.seed + seq_len)
-        tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=generator).numpy()
-        if "forward" in sessions:
-            session, spec = sessions["forward"]
-            calls[name, "forward"] = _forward_call(session, spec.input_names[0], tokens)
-        if "decode" in sessions:
-            session, spec = sessions["decode"]
-            config_ = model.config
-            cache_spec = CacheSpec(
-                n_layers=config_.n_layers, n_heads=config_.kv_heads, head_dim=config_.head_dim, dtype="float32",
-                routed_layers=config_.routed_layers(), capacity=config_.capacity_fraction(),
-                processed_row_layers=[layer for layer in range(config_.n_layers) if config_.attention_is_routed(layer)])
-            generator = torch.Generator().manual_seed(seq_len)  # the eager decode call's new tokens
-            new_tokens = torch.randint(0, config_.vocab_size, (config.decode_tokens, batch), generator=generator)
-            prefilled = DecoderCache.allocate(config_, batch, seq_len + config.decode_tokens, torch.device("cpu"))
-            with torch.no_grad():  # the eager causal prefill of the same tokens, untimed
-                cpu_model = model.to("cpu")
-                cpu_model(torch.from_numpy(tokens), config.routing, cache=prefilled)
-                model.to(device)
-            calls[name, "decode"] = _decode_call(session, spec.output_names, cache_spec, prefilled,
-                                                 new_tokens.numpy(), config.decode_tokens)
+    with tempfile.TemporaryDirectory(prefix="modcli-profile-onnx-") as tmp:  # a session keeps what it loaded
+        folder = Path(tmp)
+        for name, model in models.items():
+            model.to("cpu").eval()  # exported and prefilled on the CPU, then back where it was
+            tokens = _tokens(model.config, batch, seq_len, config.seed, CPU)  # the eager calls' tokens
+            if "forward" in config.measure:
+                spec = forward_spec(model)
+                session = _session(spec, folder / f"{name}.forward.onnx", providers, threads)
+                calls[name, "forward"] = _forward_call(session, spec.input_names[0], tokens.numpy())
+            if "decode" in config.measure:
+                spec = decode_spec(model, config.routing)
+                session = _session(spec, folder / f"{name}.decode.onnx", providers, threads)
+                model_config = model.config
+                cache_spec = CacheSpec(
+                    n_layers=model_config.n_layers, n_heads=model_config.kv_heads, head_dim=model_config.head_dim,
+                    dtype="float32", routed_layers=model_config.routed_layers(),
+                    capacity=model_config.capacity_fraction(),
+                    processed_row_layers=[layer for layer in range(model_config.n_layers)
+                                          if model_config.attention_is_routed(layer)])
+                new_tokens = decode_tokens_for(model_config.vocab_size, batch, seq_len, config.decode_tokens, CPU)
+                prefilled = DecoderCache.allocate(model_config, batch, seq_len + config.decode_tokens, CPU)
+                with torch.no_grad():  # the eager causal prefill of the same tokens, untimed
+                    model(tokens, config.routing, cache=prefilled)
+                calls[name, "decode"] = _decode_call(session, spec.output_names, cache_spec, prefilled,
+                                                     new_tokens.numpy(), config.decode_tokens)
+            model.to(device)
     return calls
+
+
+def _session(spec, path: Path, providers: list[str], threads: int):
+    """Export `spec` to ONNX at `path` and open it in onnxruntime."""
+    from modcli_runtime.bundle import create_session
+
+    from modcli.export_lowering import MIN_OPSET, export_onnx, export_program
+
+    export_onnx(spec, export_program(spec), path, MIN_OPSET)
+    return create_session(path, providers, threads=threads)
 
 
 def _forward_call(session, input_name: str, tokens: np.ndarray) -> Callable[[], dict[str, float]]:
