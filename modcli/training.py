@@ -133,7 +133,8 @@ def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:
     """AdamW's fused kernel where it exists (plain CPU or CUDA tensors): one kernel over all parameters instead of
     a loop of small ops. On the small preset's 6.5M parameters, one CPU step (1 thread) takes 6.8 ms fused against
     64.5 ms (for-loop, PyTorch's CPU default): the update does not shrink with routed tokens, and it was most of an
-    MoD training step at batch 1 (the whole step measured 109.5 ms on 1 thread). Sharded (FSDP2 DTensor) or other devices' parameters keep PyTorch's default."""
+    MoD training step at batch 1 (the whole step measured 109.5 ms on 1 thread). Sharded (FSDP2 DTensor) or other
+    devices' parameters keep PyTorch's default."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - builds without distributed
