@@ -2,7 +2,7 @@
 
     python bench/early_exit.py runs/small-early-exit --dense runs/small-dense --thresholds 0.9,0.8 --speculative 2,4,6
 
-Each setting is `modcli generate`'s library call (`modcli.generation.generate`, batch 1, --temperature 0) on every
+Each setting is `modcli generate`'s library call (`modcli.decode.generation.generate`, batch 1, --temperature 0) on every
 prompt, the models loaded once; the settings alternate call by call for --rounds rounds, so that a machine shared
 with other work disturbs them alike. Prints one Markdown row per setting (median tokens/s over rounds x prompts,
 with min-max; blocks per token; acceptance rate; KV bytes; whether the text equals the full model's) and, with
@@ -17,8 +17,8 @@ import statistics
 
 import torch
 
-from modcli.checkpoint import load_model_from
-from modcli.generation import GenerateConfig, generate
+from modcli.checkpoint.store import load_model_from
+from modcli.decode.generation import GenerateConfig, generate
 
 PROMPTS = ["def ", "import ", "class ", "    return ", "for i in "]
 

@@ -11,7 +11,7 @@ disturbs them alike). Settings: the routed layers' cache at 64 / 4096 / 32768 to
 and the whole cache at 64 / 4096. With --run DIR its newest checkpoint is exported instead and its own routing
 decides (the share of calls in which each routed block did its work is reported).
 
-For comparison it also exports the format-1 decode graph (modcli/export_graphs.py at --old-commit, which returned
+For comparison it also exports the format-1 decode graph (modcli/decode/graphs.py at --old-commit, which returned
 every layer's whole updated cache) of the "skip" model, and times it and the format-2 graph alone (session.run on
 the same fixed caches, no runtime around them, nothing written back). Skip that with --no-old.
 
@@ -48,9 +48,9 @@ OLD_COMMIT = "3a977b5"
 
 
 def fresh_checkpoint(root: Path, router_bias: float) -> Path:
-    from modcli.checkpoint import save_checkpoint
+    from modcli.checkpoint.store import save_checkpoint
     from modcli.config import ModelConfig, RunConfig, TrainConfig
-    from modcli.model import MoDDecoder
+    from modcli.models.decoder import MoDDecoder
 
     torch.manual_seed(0)
     config = ModelConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128, capacity=0.125, route_every=2)
@@ -64,7 +64,7 @@ def fresh_checkpoint(root: Path, router_bias: float) -> Path:
 
 
 def export_decode(checkpoint: str | Path, out: Path) -> Path:
-    from modcli.export_bundle import ExportConfig, export
+    from modcli.bundle.writer import ExportConfig, export
 
     result = export(ExportConfig(checkpoint=str(checkpoint), out=str(out), provider="cpu", graphs=["decode"],
                                  decode_steps=4, force=True))
@@ -88,19 +88,19 @@ def time_new(bundle: Path, dense: int, routed: int, repeats: int, warmup: int, s
 def old_decode_onnx(checkpoint: Path, out: Path, commit: str) -> Path | None:
     """The format-1 DecodeStepGraph (whole cache in, whole updated cache out) of `checkpoint` as ONNX."""
     try:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:modcli/export_graphs.py"], check=True,
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:modcli/decode/graphs.py"], check=True,
                                 capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"note: no format-1 comparison (git show {commit} failed: {exc})", file=sys.stderr)
         return None
     from torch.export import Dim
 
-    from modcli.checkpoint import load_model_from
-    from modcli.export_lowering import GraphSpec, export_onnx, export_program
+    from modcli.bundle.lowering import GraphSpec, export_onnx, export_program
+    from modcli.checkpoint.store import load_model_from
 
     old = types.ModuleType("old_export_graphs")  # registered: torch.compile (inside torch.cond) imports it by name
     sys.modules[old.__name__] = old
-    exec(compile(source, f"{commit}:modcli/export_graphs.py", "exec"), old.__dict__)
+    exec(compile(source, f"{commit}:modcli/decode/graphs.py", "exec"), old.__dict__)
     model, _, _ = load_model_from(checkpoint)
     config = model.config
     routing = model.causal_modes()[0]

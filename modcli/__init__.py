@@ -15,20 +15,20 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DataConfig": "modcli.config", "ModelConfig": "modcli.config", "RunConfig": "modcli.config",
     "TrainConfig": "modcli.config", "resolve_run_config": "modcli.config",
-    "EvalConfig": "modcli.evaluation", "evaluate": "modcli.evaluation",
-    "GenerateConfig": "modcli.generation", "generate": "modcli.generation",
-    "MoDDecoder": "modcli.model", "train": "modcli.training",
-    "ExportConfig": "modcli.export_bundle", "export": "modcli.export_bundle",
-    "ProfileConfig": "modcli.profiling", "profile": "modcli.profiling",
+    "EvalConfig": "modcli.evaluation.perplexity", "evaluate": "modcli.evaluation.perplexity",
+    "GenerateConfig": "modcli.decode.generation", "generate": "modcli.decode.generation",
+    "MoDDecoder": "modcli.models.decoder", "train": "modcli.training.loop",
+    "ExportConfig": "modcli.bundle.writer", "export": "modcli.bundle.writer",
+    "ProfileConfig": "modcli.profiling.profile", "profile": "modcli.profiling.profile",
 }
 
 if TYPE_CHECKING:
-    from modcli.model import MoDDecoder
+    from modcli.models.decoder import MoDDecoder
 
 
 def load_model(run_or_checkpoint: str | Path, device: str = "cpu") -> MoDDecoder:
     """Load a trained model in eval mode; call it as `model(tokens, routing="router")` with tokens (B, T)."""
-    from modcli.checkpoint import load_model_from
+    from modcli.checkpoint.store import load_model_from
 
     return load_model_from(run_or_checkpoint, device)[0]
 

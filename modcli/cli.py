@@ -26,7 +26,7 @@ app.add_typer(tokenizer.app, name="tokenizer")
 
 
 def main() -> None:
-    from modcli.runtime import tune_cpu_allocator
+    from modcli.hardware import tune_cpu_allocator
 
     tune_cpu_allocator()  # before any tensor exists: steady CPU step times (see its docstring)
     app()

@@ -3,7 +3,7 @@
 Every path compiles to one graph per call (no breaks): the top-k training step and forward have static shapes
 (k is fixed by T and the capacity); the causal prefill reads the number of selected tokens as a size inside the
 graph (`capture_scalar_outputs`, as torch.export does), so its shapes are data-dependent but nothing breaks; the
-decode step (`modcli.static_decode`) has static shapes throughout. `CompileStats` counts the breaks that remain
+decode step (`modcli.decode.static`) has static shapes throughout. `CompileStats` counts the breaks that remain
 (torch._dynamo's own counter), so a regression shows in `modcli train`, `generate` and `profile` output.
 """
 

@@ -12,14 +12,14 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from modcli.architectures import ARCHITECTURES
 from modcli.errors import UserError
-from modcli.routing.registry import ROUTERS
+from modcli.models.families import ARCHITECTURES
+from modcli.models.routing.registry import ROUTERS
 
 ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
 INTEGRATED = "integrated"
 """The router kind of integrated MoDE: not a token-selecting MoD router but no-op experts in the MoE MLP of the
-routed blocks (modcli.moe); every other kind is in modcli.routing.registry."""
+routed blocks (modcli.models.moe); every other kind is in modcli.models.routing.registry."""
 ROUTER_KINDS = (*ROUTERS, INTEGRATED)
 ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
@@ -76,7 +76,7 @@ class ModelConfig:
     route_layers: list[int] | None = None
     """Route exactly these blocks (e.g. [1, 3, 5]) instead of every route_every-th one."""
     router: str = "topk"
-    """Router kind of the routed blocks (modcli.routing.registry): topk, random, threshold or attention."""
+    """Router kind of the routed blocks (modcli.models.routing.registry): topk, random, threshold or attention."""
     router_weight: str = "sigmoid"
     """How the router logit scales the block's delta: sigmoid, identity (the paper) or none (gating off)."""
     router_hidden: int = 0
@@ -97,7 +97,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     """Base of the rotary position embedding frequencies."""
     experts: int = 0
-    """Experts of the mixture-of-experts MLP in every block (modcli.moe); 0 = the dense SwiGLU MLP."""
+    """Experts of the mixture-of-experts MLP in every block (modcli.models.moe); 0 = the dense SwiGLU MLP."""
     expert_top_k: int = 1
     """Experts each token chooses (token choice; no-op experts included)."""
     expert_capacity_factor: float = 1.25
@@ -107,7 +107,7 @@ class ModelConfig:
     """--router integrated (integrated MoDE): no-op experts added to the MoE of the routed blocks; a token that
     chooses one skips the MLP."""
     arch: str = "mod"
-    """Model family (modcli.architectures): mod (the MoD decoder, dense with route_every=0) or early-exit
+    """Model family (modcli.models.families): mod (the MoD decoder, dense with route_every=0) or early-exit
     (LayerSkip: dense blocks, layer dropout, an exit loss at every layer, exit decoding)."""
     layer_dropout_max: float = 0.1
     """--arch early-exit: training-time probability of skipping the last block for a whole sequence; block l of L
@@ -390,7 +390,7 @@ class TrainConfig:
     max_steps: int = 300
     """Optimiser steps (also the length of the cosine schedule)."""
     flops_budget: float = 0.0
-    """Stop once this many training FLOPs (forward + backward, `modcli.flops.training_flops`) are spent; 0 = no budget."""
+    """Stop once this many training FLOPs (forward + backward, `modcli.models.flops.training_flops`) are spent; 0 = no budget."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norms, biases or embeddings)."""
     grad_clip: float = 1.0

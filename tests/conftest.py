@@ -51,7 +51,7 @@ def tiny_run_config(corpus: Path, out: Path, **train_overrides) -> RunConfig:
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, corpus_file) -> Path:
     """A tiny MoD model trained for a few steps with a predictor (shared, read-only for tests)."""
-    from modcli.training import train
+    from modcli.training.loop import train
 
     os.environ.setdefault("MODCLI_CACHE", str(tmp_path_factory.getbasetemp() / "modcli-cache"))
     out = tmp_path_factory.mktemp("runs") / "tiny"
@@ -62,7 +62,7 @@ def trained_run(tmp_path_factory, corpus_file) -> Path:
 @pytest.fixture(scope="session")
 def trained_dense_run(tmp_path_factory, corpus_file) -> Path:
     from modcli.config import RunConfig
-    from modcli.training import train
+    from modcli.training.loop import train
 
     out = tmp_path_factory.mktemp("runs") / "tiny-dense"
     config = tiny_run_config(corpus_file, out, max_steps=10)

@@ -43,7 +43,7 @@ def sampling_uniforms(seed: int, max_new_tokens: int, batch: int) -> np.ndarray:
 
 def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
            uniforms: np.ndarray | np.random.Generator) -> np.ndarray:
-    """logits (B, V), uniforms (B,) -> next tokens (B,). The one sampling rule, also in `modcli.generation.sample`:
+    """logits (B, V), uniforms (B,) -> next tokens (B,). The one sampling rule, also in `modcli.decode.generation.sample`:
 
     greedy (argmax) at temperature 0; else logits / temperature in float64, keep the top-k, keep the smallest
     set of tokens (by stably sorted descending logit) whose probability reaches top-p, softmax, and

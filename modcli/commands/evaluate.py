@@ -27,12 +27,12 @@ def eval_command(
     """Validation loss, bits per byte and perplexity under each routing mode (non-causal ones as a reference)."""
     from rich.table import Table
 
-    from modcli.evaluation import EvalConfig, evaluate
+    from modcli.evaluation.perplexity import EvalConfig, evaluate
 
     result = evaluate(EvalConfig(checkpoint=checkpoint, data=data, glob=glob, routing=routing or [], batches=batches,
                                  batch_size=batch_size, device=device, dtype=dtype))
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     table = Table(title=f"{result.checkpoint} ({result.kind}) on {result.corpus} ({result.tokens:,} tokens)")

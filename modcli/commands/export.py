@@ -1,4 +1,4 @@
-"""`modcli export`: flags -> ExportConfig -> modcli.export_bundle.export -> validation table, op histograms, sizes."""
+"""`modcli export`: flags -> ExportConfig -> modcli.bundle.writer.export -> validation table, op histograms, sizes."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def export(
     json_output: Json = False,
 ) -> None:
     """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs."""
-    from modcli.export_bundle import ExportConfig
-    from modcli.export_bundle import export as run_export
+    from modcli.bundle.writer import ExportConfig
+    from modcli.bundle.writer import export as run_export
 
     config = ExportConfig(checkpoint=checkpoint, out=out, onnx=onnx, compile=compile,
                           graphs=graph or ["forward", "decode"], routing=routing, dtype=dtype, provider=provider,
@@ -44,7 +44,7 @@ def export(
     log = (lambda message: None) if json_output else (lambda message: stderr.print(message, highlight=False))
     result = run_export(config, log=log)
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
 
         payload = dataclasses.asdict(result)
         for check in payload["checks"]:

@@ -11,7 +11,7 @@ import typer
 from modcli.commands.common import Device, Dtype, Json, stderr, user_errors
 
 if TYPE_CHECKING:
-    from modcli.generation import GenerateResult
+    from modcli.decode.generation import GenerateResult
 
 
 @user_errors
@@ -40,8 +40,8 @@ def generate(
     json_output: Json = False,
 ) -> None:
     """Generate text with causal routing and a KV cache holding only the tokens each block processed."""
-    from modcli.generation import GenerateConfig, Utf8Stream
-    from modcli.generation import generate as run_generation
+    from modcli.decode.generation import GenerateConfig, Utf8Stream
+    from modcli.decode.generation import generate as run_generation
 
     config = GenerateConfig(checkpoint=checkpoint, prompts=prompt or ["def "], max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, routing=routing,
@@ -52,7 +52,7 @@ def generate(
         stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), prefix=config.prompts[0])
     result = run_generation(config, on_bytes=stream)
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     if stream is None:

@@ -24,10 +24,10 @@ def import_command(
 
     result = import_model(ImportConfig(source=source, out=out, seq_len=seq_len, dtype=dtype))
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
-    from modcli.reporting import key_value_table
+    from modcli.reports.console import key_value_table
     stdout.print(key_value_table(f"imported {result.architecture}", [
         ("parameters", f"{result.parameters:,}"), ("vocabulary", f"{result.vocab_size:,}"),
         ("context (seq_len)", str(result.seq_len)), ("tokenizer", result.tokenizer),

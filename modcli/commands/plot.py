@@ -18,7 +18,7 @@ def plot(
 ) -> None:
     """Training loss and causal validation loss against training FLOPs, one curve per run."""
     from modcli.errors import UserError
-    from modcli.plots import curves_plot
+    from modcli.reports.plots import curves_plot
 
     if not out.lower().endswith(".png"):
         raise UserError(f"--out must name a .png file, got {out!r}")
@@ -26,7 +26,7 @@ def plot(
         raise UserError(f"--smooth must be >= 1, got {smooth}")
     drawn = curves_plot(runs, out, smooth=smooth)
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json({"out": out, "runs": drawn})
         return
     for label, info in drawn.items():

@@ -1,4 +1,4 @@
-"""`modcli profile`: flags -> ProfileConfig -> modcli.profiling.profile -> one table per sequence length."""
+"""`modcli profile`: flags -> ProfileConfig -> modcli.profiling.profile.profile -> one table per sequence length."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def profile(
     json_output: Json = False,
 ) -> None:
     """FLOPs, latency, tokens/s, peak memory and KV-cache bytes of an MoD model against its dense twin (or a checkpoint)."""
-    from modcli.profiling import ProfileConfig
-    from modcli.profiling import profile as run_profile
+    from modcli.profiling.profile import ProfileConfig
+    from modcli.profiling.profile import profile as run_profile
 
     model_flags = {k: v for k, v in dict(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden, vocab_size=vocab_size,
@@ -123,7 +123,7 @@ def profile(
         backends=[b.strip() for b in backends.split(",") if b.strip()],
         seed=seed, plot=plot, onnx=onnx or []))
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     from rich.console import Console
@@ -200,8 +200,8 @@ def _backend_timing(profile, backend: str, name: str):
 def _table(result, r):
     from rich.table import Table
 
-    from modcli.architectures import architecture
-    from modcli.reporting import human
+    from modcli.models.families import architecture
+    from modcli.reports.console import human
 
     compared = result.baseline is not None
     m, b = r.model, r.baseline

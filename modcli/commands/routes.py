@@ -23,7 +23,7 @@ def routes(
 ) -> None:
     """Per routed block: the tokens each routing mode processed, the causal rule's probability, and where the causal
     rules disagree with top-k."""
-    from modcli.route_map import RouteConfig, route_map, write_html, write_png
+    from modcli.reports.route_map import RouteConfig, route_map, write_html, write_png
 
     suffix = Path(out).suffix.lower()
     if suffix not in (".html", ".png"):
@@ -34,7 +34,7 @@ def routes(
     if json_output:
         import dataclasses
 
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json({"out": out, **dataclasses.asdict(result)})
         return
     from rich.table import Table

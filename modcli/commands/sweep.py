@@ -1,4 +1,4 @@
-"""`modcli sweep`: flags -> SweepConfig -> modcli.sweep.sweep -> summary table (or one JSON object)."""
+"""`modcli sweep`: flags -> SweepConfig -> modcli.sweep.runner.sweep -> summary table (or one JSON object)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ def sweep(
     json_output: Json = False,
 ) -> None:
     """Train, evaluate (and profile) every budget x size x variant of a grid; resumable. Prints a summary table."""
-    from modcli.sweep import SweepConfig, best_per_budget, summary_rows
-    from modcli.sweep import sweep as run_sweep
+    from modcli.sweep.runner import SweepConfig, best_per_budget, summary_rows
+    from modcli.sweep.runner import sweep as run_sweep
 
     result = run_sweep(SweepConfig(grid=str(grid), out=out or str(Path("runs") / "sweeps" / grid.stem), profile=profile,
                                    device=device, dtype=dtype, dry_run=dry_run, verbose=verbose))
     if json_output:
         import dataclasses
 
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     from rich.console import Console

@@ -23,12 +23,12 @@ def train_tokenizer(
     json_output: Json = False,
 ) -> None:
     """Train a byte-level BPE tokenizer on the corpus' training split; use it with `modcli train --tokenizer`."""
-    from modcli.tokenizer import TokenizerTrainConfig
-    from modcli.tokenizer import train_tokenizer as run
+    from modcli.data.tokenizer import TokenizerTrainConfig
+    from modcli.data.tokenizer import train_tokenizer as run
 
     result = run(TokenizerTrainConfig(vocab_size=vocab_size, data=data, glob=glob, max_bytes=max_bytes, out=out))
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     stdout.print(f"wrote {result.out}: {result.vocab_size:,} tokens, trained on {result.bytes:,} bytes of "

@@ -1,4 +1,4 @@
-"""`modcli train`: flags -> RunConfig -> modcli.training.train -> summary table."""
+"""`modcli train`: flags -> RunConfig -> modcli.training.loop.train -> summary table."""
 
 from __future__ import annotations
 
@@ -110,12 +110,12 @@ def train(
     flags = {k: v for k, v in locals().items()
              if k not in ("preset", "config", "resume", "json_output") and v is not None}
     from modcli.config import RunConfig, resolve_run_config
-    from modcli.training import train as run_training
+    from modcli.training.loop import train as run_training
 
     base = preset or "tiny"
     if resume and preset is None and config is None:
         # Resume with the run's own configuration; flags given now still apply (and are checked).
-        from modcli.checkpoint import complete_checkpoints, read_config
+        from modcli.checkpoint.store import complete_checkpoints, read_config
         run_dir = Path(out or RunConfig().train.out)
         found = complete_checkpoints(run_dir)
         if not found:
@@ -125,7 +125,7 @@ def train(
         base = None
     elif init_from:
         # Convert another run: its shape and tokenizer, this run's routing and training flags.
-        from modcli.checkpoint import read_config, resolve_checkpoint
+        from modcli.checkpoint.store import read_config, resolve_checkpoint
         from modcli.config import SHAPE_FIELDS
         saved = read_config(resolve_checkpoint(init_from))
         shape = {name: getattr(saved.model, name) for name in SHAPE_FIELDS}
@@ -135,10 +135,10 @@ def train(
     if not is_main_process():
         return
     if json_output:
-        from modcli.reporting import print_json
+        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
-    from modcli.reporting import human, key_value_table
+    from modcli.reports.console import human, key_value_table
     if result.dense:
         validation = [("validation loss", f"{result.val_loss:.4f}"),
                       ("validation bits/byte", f"{result.val_bits_per_byte:.4f}")]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from modcli.checkpoint import complete_checkpoints, save_checkpoint
+from modcli.checkpoint.store import complete_checkpoints, save_checkpoint
 from modcli.config import DataConfig, RunConfig, TrainConfig, require
 from modcli.errors import UserError
+from modcli.hardware import TORCH_DTYPES
 from modcli.pretrained.adapters import ADAPTERS
-from modcli.runtime import TORCH_DTYPES
 
 
 @dataclass
@@ -55,7 +55,7 @@ def import_model(config: ImportConfig) -> ImportResult:
     """Import `config.source` into `config.out`; every user mistake is a UserError and nothing is written then."""
     from safetensors import safe_open
 
-    from modcli.model import MoDDecoder
+    from modcli.models.decoder import MoDDecoder
 
     source, out = Path(config.source), Path(config.out)
     if not source.is_dir():

@@ -1,0 +1,1 @@
+"""`modcli export`: lowering to ONNX / torch.export, validation against eager, writing the bundle."""

@@ -1,0 +1,438 @@
+"""`modcli export`: a trained checkpoint -> a validated bundle of graphs that run without the training code.
+
+The bundle is a folder:
+
+- `forward.onnx`: tokens (B, T) -> logits (B, T, V) and each routed block's selected positions, with the
+  training-time top-k routing (non-causal: a token's selection depends on later tokens; for scoring whole
+  sequences, not for decoding). k = max(1, T * num // den) is computed inside the graph, so one graph serves
+  every T and B.
+- `decode.onnx`: one token per sequence plus an explicit, read-only KV cache (per layer (B, Hkv, slots, hd)
+  keys/values and (B,) lengths), with causal routing (`--routing router|predictor`). It returns the logits, only
+  this step's K/V per layer (new_keys.L/new_values.L, (B, Hkv, 1, hd)) and per routed layer which rows processed
+  the token; the manifest's `graphs.decode.cache` says which layers store every row's K/V and which only the
+  processed rows' (the runtime writes them in place). The prompt is fed through this graph one token at a time,
+  which fills the cache with exactly the decisions `modcli generate` makes.
+- `cache_write.onnx` (with decode.onnx): writes a step's K/V rows into a cache buffer in place; the runtime uses it
+  to keep the KV cache on the device with the CUDA provider (modcli_runtime.device).
+- with `--compile`: `<graph>.pt2` (torch.export ExportedProgram, dynamic dims) and `<graph>.aoti.pt2`
+  (AOTInductor package for this machine's CPU).
+- `config.json` (the checkpoint's run config) and `manifest.json` (files and sha256, versions, opset, inputs
+  and outputs, the routing of each graph, validation results, `valid`).
+
+Everything is written to a temporary folder that is renamed into place at the end; a failure leaves nothing
+behind. Validation always runs: every graph against eager PyTorch (top-k forward on random tokens and real
+text at several T and B, selected positions and logits; greedy decoding against `modcli generate`'s PyTorch
+path, tokens, logits and per-layer processed counts). A failed check marks the bundle invalid.
+
+This module holds the config, the orchestration and the bundle on disk; the graphs are built by
+modcli.bundle.lowering (over the wrappers in modcli.decode.graphs) and checked by modcli.bundle.validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from modcli.bundle.lowering import (
+    CACHE_WRITE_NOTE,
+    MIN_OPSET,
+    aoti_supported,
+    compile_aoti,
+    decode_spec,
+    export_onnx,
+    export_program,
+    forward_spec,
+    onnx_summary,
+    write_cache_writer,
+)
+from modcli.bundle.validation import Check, validate_bundle, validation_providers, validation_text
+from modcli.checkpoint.lock import RunLock, sibling_lock_path
+from modcli.config import DTYPES, require
+from modcli.errors import UserError, WriteFailed
+from modcli.models.decoder import MoDDecoder
+
+PROVIDERS = ("auto", "cpu", "cuda")
+GRAPHS = ("forward", "decode")
+DEFAULT_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
+"""Default --atol per dtype: logits of the exported graph against eager PyTorch in the same dtype."""
+CACHE_UPDATE_NOTE = ("the graph only reads the cache and returns this step's K/V per layer as new_keys.L/new_values.L "
+                     "(B, Hkv, 1, hd); the caller stores row b's at slot lengths.L[b] of its own buffers, in place, "
+                     "and adds 1 to lengths.L[b]: for every row in every_row_layers, and only for rows with "
+                     "processed.L[b] true in processed_row_layers (attention-routed layers)")
+PREFILL_NOTE = ("the prompt is fed through the decode graph one token per step (exactly the causal decisions of "
+                "`modcli generate`); there is no batched causal prefill graph")
+
+
+@dataclass
+class ExportConfig:
+    """What `modcli export` writes and how it is checked."""
+
+    checkpoint: str
+    """A run folder (its newest checkpoint) or one checkpoint folder."""
+    out: str = "bundles/latest"
+    """Bundle folder to write (must not exist unless --force)."""
+    onnx: bool = True
+    """Export the ONNX graphs (forward.onnx, decode.onnx) that the PyTorch-free runtime runs."""
+    compile: bool = False
+    """Also save torch.export ExportedPrograms (.pt2) and AOTInductor packages (.aoti.pt2) of both graphs."""
+    graphs: list[str] = field(default_factory=lambda: list(GRAPHS))
+    """Which graphs to export: forward (top-k, scoring) and/or decode (causal, what the runtime generates with)."""
+    routing: str | None = None
+    """Causal routing of the decode graph: a causal mode of the model's router (topk: router or predictor);
+    None = its first."""
+    dtype: str = "float32"
+    """Weights and activations of the exported graphs: float32, float16 or bfloat16."""
+    provider: str = "auto"
+    """onnxruntime providers to validate on: cpu, cuda, or auto (cpu, plus cuda when it really works)."""
+    opset: int = MIN_OPSET
+    """ONNX opset of the exported graphs (>= 18)."""
+    atol: float | None = None
+    """Largest |logit difference| against eager PyTorch; default 1e-4 (float32), 2e-2 (float16), 1e-1 (bfloat16)."""
+    decode_steps: int = 16
+    """Greedy tokens generated per prompt when the decode graph is compared with `modcli generate`."""
+    text: str | None = None
+    """Text file for the real-text validation cases; default: the standard library's textwrap.py."""
+    seed: int = 1337
+    """Seed of the random validation tokens."""
+    force: bool = False
+    """Replace an existing bundle at --out."""
+
+    def __post_init__(self) -> None:
+        require(self.onnx or self.compile, "nothing to export: give --onnx and/or --compile")
+        require(Path(self.out).name not in ("", ".."), f"--out must name a bundle folder, got {self.out!r}")
+        require(bool(self.graphs) and all(g in GRAPHS for g in self.graphs),
+                f"--graph must be among {', '.join(GRAPHS)}, got {', '.join(map(repr, self.graphs)) or 'none'}")
+        self.graphs = [g for g in GRAPHS if g in self.graphs]
+        require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        require(self.provider in PROVIDERS, f"--provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
+        require(not (self.onnx and self.dtype == "bfloat16"),
+                "--dtype bfloat16 cannot be exported to ONNX: onnxruntime has no bfloat16 kernels on the CPU provider "
+                "and TopK has no bfloat16 type at opset 18; use --dtype float16 or float32, or --no-onnx --compile "
+                "for a bfloat16 ExportedProgram/AOTInductor package")
+        require(self.opset >= MIN_OPSET, f"--opset must be >= {MIN_OPSET} for the dynamo exporter, got {self.opset}")
+        if self.atol is None:
+            self.atol = DEFAULT_ATOL[self.dtype] if self.dtype in DEFAULT_ATOL else 1e-4
+        require(self.atol > 0, f"--atol must be positive, got {self.atol}")
+        require(1 <= self.decode_steps <= 4096, f"--decode-steps must be in [1, 4096], got {self.decode_steps}")
+
+
+@dataclass
+class GraphFile:
+    """One file of the bundle that holds a graph."""
+
+    graph: str
+    """forward or decode."""
+    kind: str
+    """onnx, exported_program or aoti."""
+    file: str
+    bytes: int
+    seconds: float
+    """Time to export (onnx, exported_program) or compile (aoti) it."""
+    op_histogram: dict[str, int] = field(default_factory=dict)
+    """ONNX op types and their counts (nodes inside If branches included)."""
+
+
+@dataclass
+class ExportResult:
+    """What `export` wrote and every check it ran; `valid` is false when any check failed."""
+
+    bundle: str
+    valid: bool
+    atol: float
+    dtype: str
+    routing: str
+    files: list[GraphFile]
+    checks: list[Check]
+    seconds: float
+    failures: list[str]
+
+
+# ----------------------------------------------------------------------------------------------- the bundle
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not force:
+        raise UserError(f"--out {out} already exists; pass --force to replace it")
+    if not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a bundle folder; refusing to replace it")
+    if any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise UserError(f"--force: {out} is a non-empty folder without manifest.json (not a modcli bundle); "
+                        "refusing to delete it")
+
+
+def _fsync_tree(folder: Path) -> None:
+    for child in folder.iterdir():
+        with open(child, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_entries(folder: Path) -> dict[str, dict[str, Any]]:
+    from modcli_runtime.bundle import sha256_of
+
+    return {p.name: {"sha256": sha256_of(p), "bytes": p.stat().st_size}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
+
+
+def _versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import onnxscript
+
+    return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
+            "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
+
+
+def _require_runtime() -> None:
+    try:
+        import modcli_runtime  # noqa: F401
+    except ImportError:
+        raise UserError("the PyTorch-free runtime package modcli_runtime is not importable; reinstall modcli "
+                        "(pip install -e .) so that export/modcli_runtime is installed") from None
+
+
+def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> ExportResult:
+    """Export, validate and write the bundle; returns what was written and every check (see `valid`).
+
+    Holds a lock next to --out while it works, so a second export into the same --out is refused (UserError); a
+    failure to write (disk full) is a WriteFailed naming the path, and leaves no partial bundle behind.
+    """
+    log = log or (lambda message: None)
+    started = time.perf_counter()
+    out = Path(config.out)
+    if out.parent.exists() and not out.parent.is_dir():
+        raise UserError(f"--out {out}: {out.parent} is a file")
+    lock = RunLock(sibling_lock_path(out), "export", out)  # a second export into --out is refused at once
+    if not out.parent.exists():
+        lock.remove_empty = out.parent
+    note = lock.acquire()
+    try:
+        if note:
+            log(note)
+        for line in _clean_stale(out):
+            log(line)
+        return _export(config, out, log, started)
+    finally:
+        lock.release()
+
+
+def _clean_stale(out: Path) -> list[str]:
+    """What a killed export left next to --out (only called while holding its lock): a bundle displaced by --force
+    is put back when nothing replaced it; temporary folders are removed. One note per folder."""
+    pattern = re.compile(rf"^\.(tmp|old)-{re.escape(out.name)}-\d+$")
+    notes = []
+    for path in sorted(out.parent.iterdir()):
+        match = pattern.match(path.name)
+        if match is None or not path.is_dir():
+            continue
+        if match.group(1) == "old" and not out.exists() and (path / "manifest.json").is_file():
+            os.replace(path, out)
+            notes.append(f"note: restored {out} from {path.name}, left by an interrupted export --force")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            notes.append(f"note: removed the stale temporary folder {path} (an interrupted export)")
+    return notes
+
+
+def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
+    from modcli.checkpoint.store import load_model_from
+    from modcli.hardware import TORCH_DTYPES
+    from modcli.models.families import ARCHITECTURES
+
+    _check_out(out, config.force)
+    _require_runtime()
+    model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
+    family = ARCHITECTURES[model.config.arch]
+    if not family.exportable:
+        raise UserError(f"--arch {family.name} cannot be exported: {family.export_note}")
+    if family.export_note:
+        log(f"note: --arch {family.name}: {family.export_note}")
+    config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
+    model.check_routing(config.routing, causal=True)
+    if model.capabilities is not None:
+        refused = [graph for graph in config.graphs if graph not in model.capabilities.graphs]
+        if refused:
+            raise UserError(f"--graph {', '.join(refused)}: the {model.config.router} router cannot be exported to "
+                            f"that graph (it offers {', '.join(model.capabilities.graphs) or 'none'})")
+    if config.onnx:
+        import onnx
+
+        newest = onnx.defs.onnx_opset_version()
+        if config.opset > newest:
+            raise UserError(f"--opset must be <= {newest} (the newest opset of the installed onnx), got {config.opset}")
+    providers = validation_providers(config.provider) if config.onnx else []
+    aoti_ok, aoti_reason = aoti_supported() if config.compile else (False, "")
+    if config.compile and not aoti_ok:
+        log(f"[yellow]note: no AOTInductor package: {aoti_reason}; the .pt2 ExportedPrograms are still written[/]")
+    model = model.to(TORCH_DTYPES[config.dtype]).eval()
+    text = validation_text(config.text, model.config.vocab_size)
+
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
+            shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
+        result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()), providers,
+                               aoti_ok, aoti_reason, text, log)
+        _fsync_tree(tmp)
+        if out.exists():  # --force, checked above: swap, then remove the old bundle
+            old = out.parent / f".old-{out.name}-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise WriteFailed(f"cannot write the bundle {out}: {exc.strerror or exc}{where}") from None
+        raise
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder, run_config: dict[str, Any],
+                  checkpoint: str, providers: list[str], aoti_ok: bool, aoti_reason: str, text: np.ndarray,
+                  log: Callable[[str], None]) -> ExportResult:
+    from modcli_runtime.bundle import FORMAT, FORMAT_VERSION
+
+    from modcli.models.families import ARCHITECTURES
+
+    model_config = model.config
+    tokenizer = run_config["data"]["tokenizer"]
+    (tmp / "config.json").write_text(json.dumps(run_config, indent=2))
+    makers = {"forward": lambda: forward_spec(model), "decode": lambda: decode_spec(model, config.routing)}
+    specs = [makers[name]() for name in config.graphs]
+    files: list[GraphFile] = []
+    graphs: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        log(f"exporting the {spec.name} graph ({spec.routing} routing)")
+        start = time.perf_counter()
+        program = export_program(spec)
+        export_s = time.perf_counter() - start
+        if config.compile:
+            path = tmp / f"{spec.name}.pt2"
+            torch.export.save(program, str(path))
+            files.append(GraphFile(spec.name, "exported_program", path.name, path.stat().st_size, export_s))
+            if aoti_ok:
+                log(f"compiling the {spec.name} graph with AOTInductor")
+                aoti_path = tmp / f"{spec.name}.aoti.pt2"
+                seconds = compile_aoti(spec, program, aoti_path)
+                files.append(GraphFile(spec.name, "aoti", aoti_path.name, aoti_path.stat().st_size, seconds))
+                log(f"  AOTInductor compile took {seconds:.1f} s")
+        info: dict[str, Any] = {"routing": spec.routing, "causal": spec.causal, "note": spec.note}
+        if config.onnx:
+            start = time.perf_counter()
+            path = tmp / f"{spec.name}.onnx"
+            export_onnx(spec, program, path, config.opset)
+            seconds = export_s + time.perf_counter() - start
+            histogram, inputs, outputs = onnx_summary(path)
+            files.append(GraphFile(spec.name, "onnx", path.name, path.stat().st_size, seconds, histogram))
+            info.update(kind="onnx", file=path.name, inputs=inputs, outputs=outputs)
+        else:
+            info.update(kind="exported_program", file=f"{spec.name}.pt2",
+                        inputs=[{"name": n} for n in spec.input_names], outputs=[{"name": n} for n in spec.output_names])
+        info["exported_program"] = f"{spec.name}.pt2" if config.compile else None
+        info["aoti"] = f"{spec.name}.aoti.pt2" if config.compile and aoti_ok else None
+        graphs[spec.name] = info
+    if config.onnx and "decode" in graphs:  # the device-resident cache's in-place row writer (modcli_runtime.device)
+        start = time.perf_counter()
+        path = tmp / "cache_write.onnx"
+        write_cache_writer(path, config.dtype, config.opset)
+        histogram, inputs, outputs = onnx_summary(path)
+        files.append(GraphFile("cache_write", "onnx", path.name, path.stat().st_size, time.perf_counter() - start,
+                               histogram))
+        graphs["cache_write"] = {"kind": "onnx", "file": path.name, "inputs": inputs, "outputs": outputs,
+                                 "note": CACHE_WRITE_NOTE}
+    num, den = model_config.capacity_fraction()
+    if "decode" in graphs:
+        graphs["decode"]["cache"] = {
+            "n_layers": model_config.n_layers, "n_heads": model_config.kv_heads, "head_dim": model_config.head_dim,
+            "dtype": config.dtype, "routed_layers": model_config.routed_layers(), "capacity": [num, den],
+            "every_row_layers": [layer for layer in range(model_config.n_layers)
+                                 if not model_config.attention_is_routed(layer)],
+            "processed_row_layers": [layer for layer in range(model_config.n_layers)
+                                     if model_config.attention_is_routed(layer)],
+            "update": CACHE_UPDATE_NOTE, "prefill": PREFILL_NOTE}
+    if "forward" in graphs and not model_config.dense:
+        graphs["forward"]["capacity"] = {"fraction": [num, den], "k": "max(1, T * num // den), computed in the graph"}
+
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "valid": False, "created_unix": time.time(),
+        "checkpoint": checkpoint, "dtype": config.dtype, "opset": config.opset if config.onnx else None,
+        "versions": _versions(),
+        "model": {"vocab_size": model_config.vocab_size, "seq_len": model_config.seq_len,
+                  "tokens": "bytes (UTF-8)" if tokenizer == "bytes" else "tokenizer.json",
+                  "tokenizer": None if tokenizer == "bytes" else "tokenizer.json",
+                  "dense": model_config.dense, "routed_layers": model_config.routed_layers(),
+                  "arch": model_config.arch, "export_note": ARCHITECTURES[model_config.arch].export_note},
+        "graphs": graphs,
+        "compile": {"asked": config.compile, "aoti": aoti_ok, "aoti_skipped_because": aoti_reason or None,
+                    "target": "cpu",
+                    "seconds": {f"{f.graph}.{f.kind}": round(f.seconds, 3) for f in files}},
+        "validation": {"status": "pending"},
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+    log("validating against eager PyTorch")
+    checks = validate_bundle(tmp, model, specs, config, providers, aoti_ok, text)
+    steps, atol = config.decode_steps, float(config.atol)
+    failures = [f"{c.graph} on {c.runner}, {c.case}: max |diff| {c.max_abs_diff:.3g} (atol {atol:g})"
+                + (f"; {c.detail}" if c.detail else "") for c in checks if not c.passed]
+    valid = bool(checks) and not failures
+    manifest["valid"] = valid
+    manifest["validation"] = {"status": "passed" if valid else "failed", "atol": atol, "decode_steps": steps,
+                              "reference": "eager PyTorch on the same checkpoint in the same dtype "
+                                           "(forward: model(tokens, 'topk'); decode: modcli.decode.generation's prefill and "
+                                           "decode_step, greedy)",
+                              "checks": [_finite(dataclasses.asdict(c)) for c in checks], "failures": failures,
+                              "ambiguous": [f"{c.graph} on {c.runner}, {c.case}: {c.detail}"
+                                            for c in checks if c.ambiguous]}
+    manifest["files"] = _file_entries(tmp)
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, allow_nan=False))
+    return ExportResult(bundle=str(out), valid=valid, atol=atol, dtype=config.dtype, routing=config.routing,
+                        files=files, checks=checks, seconds=0.0, failures=failures)
+
+
+def _finite(record: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no inf/nan: a check that could not run records max_abs_diff null."""
+    return {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in record.items()}
+
+
+def time_bundle(path: str | Path, **options) -> dict[str, Any]:
+    """Latency of a bundle's ONNX graphs through onnxruntime (see modcli_runtime.bench.time_bundle).
+
+    `modcli profile --onnx BUNDLE` calls this next to its eager PyTorch timings: forward on (batch, seq_len)
+    tokens and one decode step at `cache_tokens` cached tokens; median/min/p90 milliseconds and tokens/s.
+    """
+    from modcli_runtime.bench import time_bundle as run
+
+    try:
+        return run(path, **options)
+    except Exception as exc:
+        from modcli_runtime.bundle import BundleError
+
+        if isinstance(exc, BundleError):
+            raise UserError(str(exc)) from None
+        raise

@@ -1,0 +1,1 @@
+"""Checkpoints on disk: atomic step folders, loading with checks, the run lock."""

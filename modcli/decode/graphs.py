@@ -1,0 +1,305 @@
+"""Export-friendly views of a trained MoDDecoder: the forward graph and the decode-step graph.
+
+Both wrappers hold the model itself and call its own code (the forward pass, `Block.router`, `Block.delta`,
+`Attention._heads`/`proj`, `Block.mlp`, the LM head) and `modcli.models.routing.selection.residual_update`, so the
+exported graphs use the trained weights and the same maths; what they change is only what a graph cannot express
+the eager way:
+
+- `ForwardGraph` (the router's static mode: top-k for topk and random, capped threshold for threshold): the
+  number of tokens kept, k = max(1, T * num // den), is computed inside the graph with integer arithmetic from T,
+  so one graph serves every T and B; then `MoDDecoder.forward` runs with that k (TopK, indices in causal order,
+  gather, the block on the k tokens, an overwrite scatter of `x + w * f(x)`).
+- `DecodeStepGraph` (a causal mode): one token per sequence against an explicit, READ-ONLY KV cache, one
+  (B, Hkv, slots, hd) buffer pair and a (B,) length vector per layer. It returns only this step's K/V per layer
+  (B, Hkv, 1, hd) and, per routed block, which rows processed the token; the caller writes the rows into its
+  buffers in place (`write_new_rows` here, `CacheSpec.write_rows` in the runtime), so a step costs nothing in the
+  size of the cache beyond attention's own reads. Attention scores the cache and the token's own key separately
+  and takes one softmax over both (`attend_cache_and_self`): the cache is never concatenated, scattered or copied.
+  A routed block's work sits inside `torch.cond` (an ONNX `If`): when no sequence of the batch processes the token,
+  the branch taken returns x unchanged and reads no cache memory. For B = 1 that is a real skip of every skipped
+  token; for B > 1 the work is skipped only when every row skips, and when some rows process the token all rows
+  are computed and the skipped rows' results are discarded (their hidden state stays bit for bit unchanged and
+  their K/V are not stored).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from modcli.models.decoder import Block, MoDDecoder, config_rope
+from modcli.models.routing.selection import Selection, residual_update
+
+
+def capacity_from_length(positions: Tensor, num: int, den: int):
+    """k = max(1, T * num // den) from positions = arange(T), as ModelConfig.capacity_tokens computes it.
+
+    Why a 0-d tensor and `.item()`: Python's `max` (or `torch.sym_max`) on the symbolic T makes torch.export
+    guard on the value of k (k != 1, k <= T) and so restrict T; read from a tensor, k is an unbacked size whose
+    only facts are the two checks below, and the graph keeps the arithmetic (Mul, Div, Clip) for any T.
+    """
+    seq_len = positions.shape[0]
+    k_tensor = ((positions[-1] + 1) * num // den).clamp(min=1)  # integer arithmetic on a 0-d int64 tensor
+    k = k_tensor.item()
+    torch._check(k >= 1)
+    torch._check(k <= seq_len)
+    return k
+
+
+def selected_positions(selection: Selection) -> Tensor:
+    """The forward graph's routing output (B, k): selected positions, ascending, -1 in padding slots."""
+    if selection.valid is None:
+        return selection.selected_idx
+    return torch.where(selection.valid, selection.selected_idx, torch.full_like(selection.selected_idx, -1))
+
+
+class ForwardGraph(nn.Module):
+    """tokens (B, T) -> logits (B, T, V), then each routed block's selected positions (B, k) in the router's static
+    mode (`RouterCapabilities.static_mode`)."""
+
+    def __init__(self, model: MoDDecoder) -> None:
+        super().__init__()
+        self.model = model
+        self.mode = model.capabilities.static_mode if not model.config.dense else "dense"
+        routers = [block.router for block in model.blocks if block.router is not None]
+        self.num, self.den = routers[0].static_fraction(model.config.capacity) if routers else (1, 1)
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, ...]:
+        if self.model.config.dense:
+            return (self.model(tokens),)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        k = capacity_from_length(positions, self.num, self.den)
+        logits, records = self.model(tokens, self.mode, return_records=True, k=k)
+        return (logits, *(selected_positions(record.selection) for record in records))
+
+
+def attend_cache_and_self(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, key_self: Tensor,
+                          value_self: Tensor) -> Tensor:
+    """One decode query per row against a read-only KV cache plus the token's own key/value, one softmax over both.
+
+    q (B, H, 1, hd); keys/values (B, Hkv, S, hd), of which row b's first lengths[b] slots are real; key_self and
+    value_self (B, Hkv, 1, hd), the K/V of the token being decoded. Equal to attention over the cache with the new
+    token appended, without writing, concatenating or copying the cache: the scores against the cache (slots >=
+    lengths[b] masked) and the score against the token's own key share one log-sum-exp, then
+    out = probs_cache @ V_cache + p_self * v_self. The cache is read once (attention's own cost) and never copied:
+    query heads are grouped onto their key/value head by a reshape of q, not by repeating the cache. Returns
+    (B, H, 1, hd).
+    """
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads, slots = keys.shape[1], keys.shape[2]
+    scale = 1.0 / math.sqrt(head_dim)
+    # Query head h reads key/value head h // group (Attention.share_kv's repeat_interleave), so (H, 1) -> (Hkv, G).
+    q = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim).to(keys.dtype)  # (B, Hkv, G, hd)
+    cache_scores = (q @ keys.transpose(-1, -2)).float() * scale  # (B, Hkv, G, S)
+    visible = torch.arange(slots, device=q.device)[None, :] < lengths[:, None]  # (B, S)
+    cache_scores = cache_scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    self_scores = (q.float() * key_self.float()).sum(dim=-1, keepdim=True) * scale  # (B, Hkv, G, 1)
+    top = torch.maximum(cache_scores.amax(dim=-1, keepdim=True), self_scores)  # (B, Hkv, G, 1) finite: self is
+    cache_probs = (cache_scores - top).exp()  # (B, Hkv, G, S), 0 at masked slots
+    self_probs = (self_scores - top).exp()  # (B, Hkv, G, 1)
+    total = cache_probs.sum(dim=-1, keepdim=True) + self_probs  # (B, Hkv, G, 1)
+    out = (cache_probs.to(values.dtype) @ values).float() + self_probs * value_self.float()  # (B, Hkv, G, hd)
+    return (out / total).reshape(batch, n_heads, 1, head_dim)  # float32
+
+
+def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
+                  lengths: Tensor, part: str = "block") -> tuple[Tensor, Tensor, Tensor]:
+    """f(x) for one token per row x (B, 1, D) against the read-only cache, and the token's K/V (B, Hkv, 1, hd).
+
+    `part` as in `Block.delta`: block (attention and MLP) or attention. Nothing is written: the caller stores the
+    returned K/V at slot lengths[b] of the rows that keep them (`write_new_rows`, or the runtime).
+    """
+    batch = x.shape[0]
+    attn = block.attn
+    q, key_self, value_self = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd), (B, Hkv, 1, hd)
+    key_self, value_self = key_self.to(keys.dtype), value_self.to(values.dtype)
+    out = attend_cache_and_self(q, keys, values, lengths, key_self, value_self).to(q.dtype)  # (B, H, 1, hd)
+    attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
+    if part == "attention":
+        return attn_update, key_self, value_self
+    return attn_update + block.mlp(block.mlp_norm(x + attn_update)), key_self, value_self
+
+
+def write_new_rows(keys: Tensor, values: Tensor, lengths: Tensor, new_keys: Tensor, new_values: Tensor,
+                   writes: Tensor | None = None) -> Tensor:
+    """Store one decode step's K/V in preallocated buffers, in place, with static shapes and no host sync.
+
+    keys/values (B, Hkv, S, hd) buffers, lengths (B,), new_keys/new_values (B, Hkv, 1, hd) as the decode graph
+    returns them, writes (B,) bool: the rows that keep this step's K/V (a routed layer's `processed`; None = every
+    row). Every row's K/V go to slot lengths[b]; only the rows that keep them advance their length, so for the
+    others the slot stays past their length: never attended to, overwritten by their next kept token. The caller
+    gives every row room (lengths[b] < S), as a cache preallocated for max_tokens does while positions < max_tokens;
+    the slot is clamped to S - 1 so that a write never goes out of bounds. Returns the new lengths (B,): lengths +
+    writes (the caller copies them into its length buffer: `lengths.copy_(...)`).
+    """
+    batch, slots = keys.shape[0], keys.shape[2]
+    rows = torch.arange(batch, device=keys.device)  # (B,)
+    slot = lengths.clamp(max=slots - 1)  # (B,)
+    # Advanced-index assignment (index_put_), not scatter_: compiled, a scatter_ into a buffer becomes a copy of the
+    # whole buffer (O(cache) a step), an index_put_ stays in place (measured: 1.3 ms vs 18 us at 8192 slots).
+    # Every row writes at its slot lengths[b], those that keep nothing too: that slot lies past the row's length, so
+    # no attention reads it and the row's next kept token overwrites it (during a step lengths[b] <= position < S,
+    # so the clamp never moves a write onto a real slot). No gather, no select: two small in-place writes.
+    keys[rows, :, slot] = new_keys[:, :, 0].to(keys.dtype)  # (B, Hkv, hd) at [b, :, slot[b]]
+    values[rows, :, slot] = new_values[:, :, 0].to(values.dtype)
+    return lengths + 1 if writes is None else lengths + writes.to(lengths.dtype)
+
+
+def _process_rows(block: Block, part: str, cap: int, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor,
+                  values: Tensor, lengths: Tensor, router_logits: Tensor, decisions: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """A routed block on at most `cap` of the B rows (every row that processes the token is among them: the caller
+    checked decisions.sum() <= cap): gather those rows and their caches, run the block on (cap, 1, D), write back.
+    Returns x (B, 1, D) with skipped rows bit for bit unchanged, and the step's K/V (B, Hkv, 1, hd) (zero for rows
+    not computed; their processed flag is false, so nobody stores them)."""
+    batch = x.shape[0]
+    rows = (~decisions).to(torch.int32).topk(cap, largest=False).indices  # (cap,) the processing rows, then filler
+    delta, new_keys, new_values = _decode_delta(block, x[rows], cos[rows], sin[rows], keys[rows], values[rows],
+                                                lengths[rows], part)  # (cap, 1, D), (cap, Hkv, 1, hd)
+    weight = block.router.weight(router_logits[rows]).unsqueeze(-1)  # (cap, 1, 1)
+    updated = residual_update(x[rows], delta, weight, keep=decisions[rows][:, None, None])  # filler rows: x as is
+    x = x.index_put((rows,), updated)
+    shape = (batch, *new_keys.shape[1:])
+    new_keys = new_keys.new_zeros(shape).index_put((rows,), new_keys)
+    new_values = new_values.new_zeros(shape).index_put((rows,), new_values)
+    return x, new_keys, new_values
+
+
+class DecodeStepGraph(nn.Module):
+    """One decode step against a read-only KV cache.
+
+    Inputs: tokens (B,), positions (B,), then per layer keys/values (B, Hkv, slots_L, hd) and lengths (B,).
+    Outputs (`output_names`): logits (B, V); per layer new_keys/new_values (B, Hkv, 1, hd), the K/V of this
+    step's token; per routed layer processed (B,) bool. The caller stores the new K/V at slot lengths[b]: for every
+    row in `every_row_layers` (dense layers, and routed layers whose attention covers every token, --route-part
+    mlp), only for rows with processed[b] in `processed_row_layers` (attention-routed layers); `write_outputs` does
+    it for torch buffers, the runtime's `CacheSpec.write_rows` for numpy ones. A skipped routed block (`torch.cond`
+    / ONNX `If`, taken when no row processes the token) reads no cache memory: it returns x unchanged and zero K/V,
+    which nobody stores because processed is false.
+    """
+
+    def __init__(self, model: MoDDecoder, routing: str, branch_free: bool = False, row_cap: int | None = None) -> None:
+        """`branch_free`: run a routed block's work on every step (skipped rows still unchanged and not stored)
+        instead of inside `torch.cond`; for CUDA graphs, which cannot hold the host-side branch inductor makes of a
+        cond, at the price of the skip.
+
+        `row_cap` (a static batch larger than it; not for export, whose batch is dynamic): when at most `row_cap`
+        rows process the token, a routed block gathers those rows (and their caches) and computes only them, in
+        static shapes; more rows than that take the all-rows branch. With B x capacity rows expected to process,
+        a cap of about twice that makes most steps cost what the rows that process cost.
+        """
+        super().__init__()
+        model.check_routing(routing, causal=True)
+        self.model = model
+        self.routing = routing
+        self.branch_free = branch_free
+        self.row_cap = row_cap
+        config = model.config
+        self.processed_row_layers = tuple(layer for layer in range(config.n_layers)
+                                          if config.attention_is_routed(layer))
+        self.every_row_layers = tuple(layer for layer in range(config.n_layers)
+                                      if layer not in self.processed_row_layers)
+        self.routed_layers = tuple(config.routed_layers())
+
+    def writes_every_row(self, layer: int) -> bool:
+        """True when every row stores this step's K/V in `layer`; False when only rows with processed.L do."""
+        return layer in self.every_row_layers
+
+    def _branch(self, decisions: Tensor, process, skip, operands: tuple):
+        """process(*operands) when any row processes the token, else skip(*operands): `torch.cond`, or always
+        process when branch-free (process leaves skipped rows unchanged itself)."""
+        if self.branch_free:
+            return process(*operands)
+        return torch.cond(decisions.any(), process, skip, operands)
+
+    @property
+    def input_names(self) -> list[str]:
+        return ["tokens", "positions", *[f"{kind}.{layer}" for layer in range(self.model.config.n_layers)
+                                         for kind in ("keys", "values", "lengths")]]
+
+    @property
+    def output_names(self) -> list[str]:
+        return ["logits", *[f"new_{kind}.{layer}" for layer in range(self.model.config.n_layers)
+                            for kind in ("keys", "values")],
+                *[f"processed.{layer}" for layer in self.routed_layers]]
+
+    def write_outputs(self, outputs: tuple[Tensor, ...], cache: list[Tensor]) -> None:
+        """Store a step's outputs in the flat cache [keys.0, values.0, lengths.0, ...] in place (lengths too)."""
+        n_layers = self.model.config.n_layers
+        processed = dict(zip(self.routed_layers, outputs[1 + 2 * n_layers:], strict=True))
+        for layer in range(n_layers):
+            keys, values, lengths = cache[3 * layer: 3 * layer + 3]
+            writes = None if self.writes_every_row(layer) else processed[layer]
+            new_keys, new_values = outputs[1 + 2 * layer: 3 + 2 * layer]
+            lengths.copy_(write_new_rows(keys, values, lengths, new_keys, new_values, writes))
+
+    def forward(self, tokens: Tensor, positions: Tensor, *cache: Tensor) -> tuple[Tensor, ...]:
+        model = self.model
+        config = model.config
+        x = model.embed(tokens)[:, None]  # (B, 1, D)
+        cos, sin = config_rope(config, positions[:, None])  # (B, 1, hd/2)
+        new_rows: list[Tensor] = []
+        processed: list[Tensor] = []
+        for layer, block in enumerate(model.blocks):
+            keys, values, lengths = cache[3 * layer: 3 * layer + 3]
+            if not block.routed:
+                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths)
+                x = x + delta.to(x.dtype)
+                new_rows += [new_keys, new_values]
+                continue
+            router_logits = block.router.logits(x, positions[:, None])  # (B, 1)
+            decisions = block.router.decide(x, router_logits, self.routing, positions[:, None],
+                                            config.capacity)[:, 0]  # (B,) causal yes/no
+            part = config.route_part
+            if part == "mlp":  # every row attends and is cached; only the MLP is routed, and its If holds no cache
+                attn_update, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths,
+                                                                  "attention")
+                x = x + attn_update.to(x.dtype)
+
+                def mlp_only(x, router_logits, decisions, block=block):
+                    weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
+                    return residual_update(x, block.mlp(block.mlp_norm(x)), weight, keep=decisions[:, None, None])
+
+                x = self._branch(decisions, mlp_only, lambda x, router_logits, decisions: x.clone(),
+                                 (x, router_logits, decisions))
+                new_rows += [new_keys, new_values]
+                processed.append(decisions)
+                continue
+
+            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block, part=part):
+                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths, part)
+                weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
+                x = residual_update(x, delta, weight, keep=decisions[:, None, None])  # skipped rows: x bit for bit
+                # Fresh (B, Hkv, 1, hd) tensors: both branches of a cond must return the same layout, and these are
+                # views into the qkv projection.
+                return (x, new_keys.clone(memory_format=torch.contiguous_format),
+                        new_values.clone(memory_format=torch.contiguous_format))
+
+            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block):
+                # No cache input is read here: only x's shape and the cache's (static) dtype.
+                shape = (x.shape[0], block.attn.n_kv_heads, 1, block.attn.head_dim)
+                return (x.clone(), torch.zeros(shape, dtype=keys.dtype, device=x.device),
+                        torch.zeros(shape, dtype=values.dtype, device=x.device))
+
+            if self.row_cap is not None and not self.branch_free and self.row_cap < x.shape[0]:
+                all_rows = process
+
+                def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block, part=part,
+                            all_rows=all_rows, cap=self.row_cap):
+                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions):
+                        return _process_rows(block, part, cap, x, cos, sin, keys, values, lengths, router_logits,
+                                             decisions)
+
+                    return torch.cond(decisions.sum() <= cap, capped, all_rows,
+                                      (x, cos, sin, keys, values, lengths, router_logits, decisions))
+
+            x, new_keys, new_values = self._branch(
+                decisions, process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions))
+            if part == "attention":  # only attention was routed; the MLP runs on every row
+                x = x + block.mlp(block.mlp_norm(x))
+            new_rows += [new_keys, new_values]
+            processed.append(decisions)
+        logits = model.head(model.norm(x))[:, 0]  # (B, V)
+        return (logits, *new_rows, *processed)

@@ -1,0 +1,1 @@
+"""`modcli eval`: loss per routing mode on held-out windows."""

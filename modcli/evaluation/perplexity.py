@@ -1,0 +1,147 @@
+"""`modcli eval`: validation loss, bits per byte and perplexity under each routing mode of the model's router.
+
+A full-sequence mode (top-k, the training-time rule of the topk router) sees the future: token t's selection
+depends on later tokens, so its numbers are a reference only. The causal modes (for the topk router `router`,
+router logit > 0, and `predictor`, predictor logit > 0) are what decoding can really do; their losses are the
+honest ones. Each mode is listed with `causal: true|false`, from the router's capabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from modcli.checkpoint.store import load_model_from
+from modcli.config import DataConfig, require
+from modcli.data.corpus import evaluation_batches, load_corpus
+from modcli.data.tokenizer import load_tokenizer
+from modcli.hardware import autocast, resolve_device
+from modcli.models.families import architecture
+from modcli.training.objective import bits_per_byte, lm_loss, routing_agreement
+
+
+@dataclass
+class EvalConfig:
+    """What `modcli eval` measures."""
+
+    checkpoint: str
+    """A run folder (its newest checkpoint) or one checkpoint folder."""
+    data: str | None = None
+    """Evaluate on this corpus' validation split instead of the one the model was trained on."""
+    glob: str = "**/*"
+    """File pattern when --data is a folder."""
+    routing: list[str] = field(default_factory=list)
+    """Routing modes to evaluate; empty = every mode of the model's router (non-causal ones as a reference)."""
+    batches: int = 16
+    """Validation batches."""
+    batch_size: int = 8
+    """Sequences per batch."""
+    device: str = "auto"
+    """auto, cpu, cuda or mps."""
+    dtype: str = "float32"
+    """Autocast dtype."""
+
+    def __post_init__(self) -> None:
+        require(self.batches >= 1, f"--batches must be >= 1, got {self.batches}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+
+
+@dataclass
+class ModeResult:
+    routing: str
+    causal: bool
+    loss: float
+    bits_per_byte: float
+    perplexity: float
+    processed_fraction: dict[str, float]
+    """Per routed block: fraction of tokens the block processed in this mode."""
+
+
+@dataclass
+class EvalResult:
+    checkpoint: str
+    step: int
+    corpus: str
+    tokens: int
+    results: list[ModeResult]
+    agreement: dict[str, dict[str, dict[str, float]]]
+    """Per routed block, the router's statistics in its training mode (`Router.metrics`): for topk the causal rules
+    against top-k (accuracy, precision, recall, processed fraction)."""
+    router: str | None = None
+    """The router kind (None for a dense model)."""
+    kind: str = ""
+    """The model family in words (ModelConfig.kind): dense, MoD ..., MoE ..., staged MoDE ..., integrated MoDE ..."""
+    exit_losses: dict[str, float] = field(default_factory=dict)
+    """Early-exit models: the loss (nats/token) of the exit after each block, through the shared final norm and head,
+    on the same windows (causal; the last block's is the model's loss)."""
+
+
+@torch.no_grad()
+def evaluate(config: EvalConfig) -> EvalResult:
+    device = resolve_device(config.device)
+    model, run_config, checkpoint = load_model_from(config.checkpoint, device)
+    seq_len = run_config.model.seq_len
+    data = run_config.data if config.data is None else DataConfig(data=config.data, glob=config.glob,
+                                                                  tokenizer=run_config.data.tokenizer)
+    corpus = load_corpus(data, seq_len, load_tokenizer(data.tokenizer, checkpoint.parent))
+    for mode in config.routing:
+        model.check_routing(mode)
+    if run_config.model.dense:
+        modes = ["dense"]
+    else:
+        modes = list(config.routing) or list(model.routing_modes())
+    caps = model.capabilities
+    exits = architecture(run_config.model.arch).exit_decoding
+    exit_totals = [0.0] * run_config.model.n_layers
+
+    totals = {mode: 0.0 for mode in modes}
+    processed = {mode: {} for mode in modes}
+    agreement_sums: dict = {}
+    n_batches = 0
+    for inputs, targets in evaluation_batches(corpus.val, seq_len, config.batch_size, config.batches):
+        inputs, targets = inputs.to(device), targets.to(device)
+        n_batches += 1
+        for mode in modes:
+            with autocast(device, config.dtype):
+                logits, records = model(inputs, mode, return_records=True)
+            totals[mode] += lm_loss(logits, targets).item()
+            for record in records:
+                key = f"block{record.layer}"
+                fraction = record.selection.counts.sum().item() / inputs.numel()
+                processed[mode][key] = processed[mode].get(key, 0.0) + fraction
+            for layer in run_config.model.noop_layers():  # integrated MoDE: the share of choices that ran an expert
+                key = f"block{layer} mlp"
+                fraction = 1.0 - model.blocks[layer].mlp.stats.noop.item()
+                processed[mode][key] = processed[mode].get(key, 0.0) + fraction
+            if records and mode == model.training_mode:
+                _accumulate(agreement_sums, routing_agreement(records))
+        if exits:
+            with autocast(device, config.dtype):
+                exit_logits = model.exit_layer_logits(inputs)  # (L, B, T, V)
+            for layer, logits in enumerate(exit_logits):
+                exit_totals[layer] += lm_loss(logits, targets).item()
+
+    results = []
+    for mode in modes:
+        loss = totals[mode] / n_batches
+        results.append(ModeResult(
+            routing=mode, causal=caps is None or caps.is_causal(mode), loss=loss,
+            bits_per_byte=bits_per_byte(loss, corpus.bytes_per_token), perplexity=math.exp(loss),
+            processed_fraction={k: v / n_batches for k, v in processed[mode].items()}))
+    agreement = {block: {rule: {k: v / n_batches for k, v in stats.items()} for rule, stats in rules.items()}
+                 for block, rules in agreement_sums.items()}
+    state_step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
+    return EvalResult(str(checkpoint), state_step, corpus.description, n_batches * config.batch_size * seq_len,
+                      results, agreement, None if run_config.model.dense else run_config.model.router,
+                      run_config.model.kind,
+                      {f"block{layer}": total / n_batches for layer, total in enumerate(exit_totals)} if exits else {})
+
+
+def _accumulate(total: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict):
+            _accumulate(total.setdefault(key, {}), value)
+        else:
+            total[key] = total.get(key, 0.0) + value

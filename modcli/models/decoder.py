@@ -1,0 +1,403 @@
+"""The Mixture-of-Depths decoder. One block class; the dense model is the same code with routing off.
+
+A routed block computes, for the tokens it selects (sorted ascending, original positions kept for RoPE and the
+causal mask), the delta f(x) = attn + mlp of a pre-norm block, and writes back x + w * f(x) with w the router
+weight. Every other token leaves the block bit for bit unchanged, and costs no attention or MLP work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from modcli.config import ModelConfig
+from modcli.errors import UserError
+from modcli.models.cache import DecoderCache, LayerKVCache
+from modcli.models.moe import MoEMLP
+from modcli.models.routing.base import Router, RouterCapabilities, RoutingRecord
+from modcli.models.routing.registry import router_class
+from modcli.models.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal
+
+
+def rope_tables(positions: Tensor, head_dim: int, base: float,
+                scaling: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Positions (...,) -> cos, sin (..., head_dim/2) in float32; `scaling`: Llama-3 frequency scaling."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, scaling)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., hd/2)
+    return angles.cos(), angles.sin()
+
+
+def config_rope(config: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """`rope_tables` with the model's head size, base and scaling."""
+    return rope_tables(positions, config.head_dim, config.rope_base, config.rope_scaling)
+
+
+def llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3.1's RoPE scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    ramp = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    middle = (wavelength <= original / low) & (wavelength >= original / high)
+    return torch.where(middle, ramp, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, H, n, hd); cos/sin (B, n, hd/2) at each token's original position."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, n, hd/2)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        self.sizes = [config.n_heads * config.head_dim] + 2 * [config.kv_heads * config.head_dim]  # q, k, v
+        self.qkv = nn.Linear(config.d_model, sum(self.sizes), bias=config.qkv_bias)
+        self.proj = nn.Linear(self.sizes[0], config.d_model, bias=False)
+        self.dropout = config.dropout
+
+    def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, n, hd) and k, v (B, Hkv, n, hd), RoPE applied to q and k."""
+        batch, n, _ = x.shape
+        # explicit head counts, never -1: a compiled causal prefill's n may be 0, and -1 cannot be inferred then
+        q, k, v = (t.view(batch, n, size // self.head_dim, self.head_dim).transpose(1, 2)
+                   for t, size in zip(self.qkv(x).split(self.sizes, dim=-1), self.sizes, strict=True))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def share_kv(self, kv: Tensor) -> Tensor:
+        """(B, Hkv, L, hd) -> (B, H, L, hd): each key/value head serves n_heads / n_kv_heads query heads."""
+        return kv if self.n_kv_heads == self.n_heads else kv.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None, received: dict | None = None) -> Tensor:
+        """Causal attention among the n given tokens (B, n, D), which are in ascending original order.
+
+        With `prefill = (cache, rows, counts)` their K/V are also written to the cache. With a `received` dict, the
+        attention probabilities are computed explicitly (no fused kernel) and `received["scores"]` is set to the
+        attention each token receives (B, n): summed over the queries that can see it, divided by their number
+        (n - j for token j, so early tokens are not favoured), averaged over heads; no gradient (A-MoD's score).
+        """
+        batch, n, d_model = x.shape
+        q, k, v = self._heads(x, cos, sin)
+        if prefill is not None:
+            cache, rows, counts = prefill
+            cache.write_prefix(rows, k, v, counts)
+        dropout = self.dropout if self.training else 0.0
+        k, v = self.share_kv(k), self.share_kv(v)  # (B, H, n, hd); the cache above holds the Hkv heads only
+        if received is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, n, hd)
+        else:
+            scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, n, n)
+            causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()  # (n, n) query >= key
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, H, n, n)
+            seen_by = n - torch.arange(n, device=x.device)  # (n,) queries that can see each token
+            received["scores"] = (probs.detach().sum(dim=2).mean(dim=1) / seen_by)  # (B, n)
+            out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
+        return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
+
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
+        """One new token per row (n, 1, D): append its K/V to the cache rows, attend to the row's cache."""
+        n = x.shape[0]
+        q, k, v = self._heads(x, cos, sin)
+        keys, values, mask = cache.append(rows, k, v)  # (n, Hkv, L, hd), (n, 1, 1, L)
+        keys, values = self.share_kv(keys.to(q.dtype)), self.share_kv(values.to(q.dtype))  # (n, H, L, hd)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(n, 1, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.d_model, 2 * config.hidden, bias=False)
+        self.down = nn.Linear(config.hidden, config.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
+                           config.expert_capacity_factor, config.noop_experts_of(layer))
+                    if config.experts else SwiGLU(config))
+        self.delta_dropout = nn.Dropout(config.dropout)
+        self.routed = config.is_routed(layer)
+        self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
+        # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received,
+        # in the router's full-sequence modes (its causal modes decide without them).
+        self.feeds_router = (not self.routed and config.is_routed(layer + 1) and layer + 1 < config.n_layers
+                             and router_class(config.router).reads_previous_attention)
+        self.next_causal_modes = router_class(config.router).capabilities.causal_modes if self.feeds_router else ()
+
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
+              part: str = "block") -> Tensor:
+        """f(x) of a pre-norm block without the residual: the attention update plus the MLP update (part "block"),
+        or only the attention update ("attention") or only the MLP update ("mlp")."""
+        if part == "mlp":
+            return self.delta_dropout(self.mlp(self.mlp_norm(x)))
+        attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received))
+        if part == "attention":
+            return attn_update
+        mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update)))
+        return attn_update + mlp_update
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, routing: str, want_predictor: bool = False,
+                cache: LayerKVCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
+                capacity: float | None = None, k: int | None = None, previous_attention: Tensor | None = None,
+                ) -> tuple[Tensor, RoutingRecord | Tensor | None]:
+        """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D), and: a routed block's RoutingRecord; for a dense block that
+        feeds an attention-reading router (A-MoD) in a full-sequence mode, the attention each token received (B, T),
+        which the model hands to the next block as `previous_attention`; else None.
+
+        `routing` is one of the router's modes: a causal one decides token by token, a full-sequence one keeps a
+        fixed number of tokens, `k` (default from `capacity`, default the configured one). `lengths` (B,): rows
+        are right-padded after their first `lengths` tokens (causal routing only). Padding is never selected by a
+        routed block, and a dense block's cache counts only the real tokens, so the padded slots lie beyond each
+        row's length and decode appends overwrite them.
+        """
+        batch, seq_len, _ = x.shape
+        every_token = None  # a prefill that caches every (real) token
+        if cache is not None:
+            counts = lengths if lengths is not None else torch.full((batch,), seq_len, device=x.device,
+                                                                     dtype=torch.long)  # (B,)
+            every_token = (cache, cache_rows, counts)
+        if not self.routed:
+            received = {} if self.feeds_router and routing not in self.next_causal_modes else None
+            x = x + self.delta(x, cos[None], sin[None], every_token, received)
+            return x, (received["scores"] if received else None)
+
+        router = self.router
+        capacity = self.config.capacity if capacity is None else capacity
+        positions = torch.arange(seq_len, device=x.device)  # (T,)
+        router_logits = router.logits(x, positions, previous_attention)  # (B, T)
+        predictor_logits = router.predictor_logits(x) if want_predictor or routing == "predictor" else None
+        if router.capabilities.is_causal(routing):
+            decisions = router.decide(x, router_logits, routing, positions, capacity, predictor_logits)  # (B, T)
+            if lengths is not None:  # padding comes after each row's tokens: never processed, never cached
+                decisions = decisions & (positions[None, :] < lengths[:, None])
+            selection = select_causal(decisions)
+        else:
+            selection = router.select(router_logits, routing, k if k is not None else
+                                      router.static_tokens(seq_len, capacity))
+        record = RoutingRecord(self.layer, routing, router, router_logits, predictor_logits, selection, capacity)
+        part = self.config.route_part
+        if part == "mlp":  # attention (and the KV cache) covers every token; only the MLP is routed
+            x = x + self.delta(x, cos[None], sin[None], every_token, part="attention")
+            cache = None
+        x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows)
+        if part == "attention":  # only attention was routed; the MLP runs on every token
+            x = x + self.delta(x, cos[None], sin[None], part="mlp")
+        return x, record
+
+    def update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
+                        cache: LayerKVCache | None = None, cache_rows: Tensor | None = None) -> Tensor:
+        """Run the routed part of the block (--route-part) on the selected tokens only and write `x + w * f(x)` back
+        at their positions; every other token (and every padding slot) stays x bit for bit. With `cache`, their
+        K/V are written to it (prefill)."""
+        idx = selection.selected_idx  # (B, k)
+        if guard_or_false(idx.shape[1] == 0):  # compiled with k unknown: the general path handles k = 0 too
+            if cache is not None:
+                cache.lengths[cache_rows] = 0
+            return x  # no sequence processed any token: the block costs nothing
+        x_selected = gather_tokens(x, idx)  # (B, k, D)
+        prefill = (cache, cache_rows, selection.counts) if cache is not None else None
+        delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.config.route_part)  # (B, k, D)
+        weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
+        keep = None if selection.valid is None else selection.valid.unsqueeze(-1)  # (B, k, 1)
+        return scatter_tokens(x, idx, residual_update(x_selected, delta, weight, keep))
+
+    def decode(self, x: Tensor, positions: Tensor, routing: str, cache: LayerKVCache) -> Tensor:
+        """One token per sequence: x (B, 1, D), positions (B,). A skipped token does no attention/MLP work."""
+        batch = x.shape[0]
+        if not self.routed:
+            rows = torch.arange(batch, device=x.device)
+            cos, sin = config_rope(self.config, positions[:, None])
+            return x + self._decode_delta(x, cos, sin, cache, rows)
+        router, part = self.router, self.config.route_part
+        router_logits = router.logits(x, positions[:, None])  # (B, 1)
+        decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)
+        if part == "mlp":  # every row attends and is cached; only the MLP is routed
+            rows = torch.arange(batch, device=x.device)
+            cos, sin = config_rope(self.config, positions[:, None])
+            x = x + self._decode_delta(x, cos, sin, cache, rows, "attention")
+        # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
+        # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
+        rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
+        if rows.numel():
+            x_rows = x[rows]  # (n, 1, D)
+            cos, sin = config_rope(self.config, positions[rows][:, None])
+            weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
+            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part)  # (n, 1, D)
+            x = x.index_put((rows,), residual_update(x_rows, delta, weight))
+        if part == "attention":  # only attention was routed; the MLP runs on every row
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+    def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor,
+                      part: str = "block") -> Tensor:
+        """f(x) of one token per row (n, 1, D) with the KV cache; `part` as in `delta`."""
+        if part == "mlp":
+            return self.mlp(self.mlp_norm(x))
+        attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows)
+        if part == "attention":
+            return attn_update
+        return attn_update + self.mlp(self.mlp_norm(x + attn_update))
+
+
+class MoDDecoder(nn.Module):
+    """Decoder-only transformer with Mixture-of-Depths blocks (every `route_every`-th one)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Looked up once: the registry's import lookup would break a torch.compile graph at every call.
+        self._capabilities = None if config.dense else router_class(config.router).capabilities
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        self._add_head_and_initialise(self.blocks)
+
+    def _add_head_and_initialise(self, blocks) -> None:
+        """The final norm and LM head (tied to the embedding unless configured otherwise), then every weight's
+        initialisation: N(0, 0.02), the residual projections of `blocks` scaled by 1 / sqrt(2 x n_layers)."""
+        config = self.config
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layers)
+        for block in blocks:
+            nn.init.normal_(block.attn.proj.weight, std=residual_std)
+            down = block.mlp.down
+            nn.init.normal_(down if isinstance(down, nn.Parameter) else down.weight, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # --- routing: what the router kind offers, asked by every command instead of comparing names -----------------
+
+    @property
+    def capabilities(self) -> RouterCapabilities | None:
+        """The router kind's capabilities; None for a dense model (nothing is routed)."""
+        return self._capabilities
+
+    def routing_modes(self) -> tuple[str, ...]:
+        """The routing modes of a full forward pass this model offers, its training mode first; () when dense."""
+        routers = [block.router for block in self.blocks if block.router is not None]
+        return routers[0].modes() if routers else ()
+
+    def causal_modes(self) -> tuple[str, ...]:
+        """The modes prefill and decoding can use (each token decided from itself and the tokens before it)."""
+        caps = self.capabilities
+        return tuple(mode for mode in self.routing_modes() if caps.is_causal(mode))
+
+    @property
+    def training_mode(self) -> str:
+        return self.routing_modes()[0] if not self.config.dense else "dense"
+
+    def check_routing(self, routing: str, causal: bool = False) -> None:
+        """A UserError naming the router and what it offers, unless `routing` is one of its (causal) modes."""
+        if self.config.dense:
+            return  # nothing is routed: every mode is the same dense model
+        offered = self.causal_modes() if causal else self.routing_modes()
+        if routing in offered:
+            return
+        kind = self.config.router
+        why = ""
+        if routing in self.capabilities.needs_predictor:
+            why = " (this model has no predictor: it was trained with --predictor-hidden 0)"
+        elif causal and routing in self.routing_modes():
+            why = f" ({routing} is not causal: it sees the future and cannot decode)"
+        raise UserError(f"--routing {routing}: the {kind} router offers {', '.join(offered)}{why}")
+
+    def forward(self, tokens: Tensor, routing: str | None = None, *, return_records: bool = False,
+                cache: DecoderCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
+                capacity: float | None = None, k: int | None = None):
+        """tokens (B, T) -> logits (B, T, V); with `return_records`, also each routed block's RoutingRecord.
+
+        `routing`: one of `routing_modes()` (default the training mode), e.g. topk (training-time, non-causal),
+        router or predictor (causal) for the topk router. With `cache` the K/V of the tokens each block processes
+        are written to rows `cache_rows` of the cache (prefill). `lengths` (B,) right-pads row b after its first
+        lengths[b] tokens (causal routing only): padding is never processed by a routed block nor counted in the
+        cache, each row's next position is its length, and the logits at padded positions mean nothing (take row
+        b's at lengths[b] - 1). `capacity` overrides the configured capacity (--capacity-warmup); `k` fixes the
+        number of tokens of the full-sequence modes (the export graph computes it from T inside the graph).
+        """
+        routing = self.training_mode if routing is None else routing
+        self.check_routing(routing)
+        caps = self.capabilities
+        if lengths is not None and caps is not None and not caps.is_causal(routing):
+            raise ValueError(f"padded rows (lengths) need causal routing: {routing} would rank the padding")
+        batch, seq_len = tokens.shape
+        positions = torch.arange(seq_len, device=tokens.device)
+        cos, sin = config_rope(self.config, positions)  # (T, hd/2)
+        x = self.embed(tokens)  # (B, T, D)
+        records = []
+        if cache is not None and cache_rows is None:
+            cache_rows = torch.arange(batch, device=tokens.device)
+        previous_attention = None
+        for layer, block in enumerate(self.blocks):
+            layer_cache = cache.layers[layer] if cache is not None else None
+            x, out = block(x, cos, sin, routing, return_records, layer_cache, cache_rows, lengths, capacity, k,
+                           previous_attention)
+            previous_attention = out if isinstance(out, Tensor) else None  # (B, T) for an A-MoD router next
+            if isinstance(out, RoutingRecord):
+                records.append(out)
+        if cache is not None:
+            cache.positions[cache_rows] = seq_len if lengths is None else lengths
+        logits = self.head(self.norm(x))  # (B, T, V)
+        return (logits, records) if return_records else logits
+
+    @torch.no_grad()
+    def decode_step(self, tokens: Tensor, cache: DecoderCache, routing: str | None = None) -> Tensor:
+        """tokens (B,) at each sequence's next position -> logits (B, V); updates the cache.
+
+        `routing`: one of `causal_modes()`, default the first."""
+        if routing is None:
+            routing = (self.causal_modes() or ("dense",))[0]
+        self.check_routing(routing, causal=True)
+        x = self.embed(tokens)[:, None]  # (B, 1, D)
+        for layer, block in enumerate(self.blocks):
+            x = block.decode(x, cache.positions, routing, cache.layers[layer])
+        cache.positions += 1
+        return self.head(self.norm(x))[:, 0]  # (B, V)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def active_parameters(self) -> int:
+        """Parameters one token uses: all but the experts it does not choose (top-k of E real experts; no-op
+        experts at their uniform share N / (E + N), the share the load-balancing loss aims at)."""
+        total = self.num_parameters()
+        for block in self.blocks:
+            if isinstance(block.mlp, MoEMLP):
+                moe = block.mlp
+                per_expert = moe.gate_up[0].numel() + moe.down[0].numel()
+                used = moe.top_k * moe.experts / moe.pool
+                total -= round((moe.experts - used) * per_expert)
+        return total
+
+    def moe_blocks(self) -> list[MoEMLP]:
+        return [block.mlp for block in self.blocks if isinstance(block.mlp, MoEMLP)]

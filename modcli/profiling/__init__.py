@@ -1,0 +1,1 @@
+"""`modcli profile`: FLOPs, latency and memory of an MoD model against its dense twin, per backend."""

@@ -1,0 +1,1 @@
+"""What people read: console tables and progress, plots, routing maps."""

@@ -1,0 +1,1 @@
+"""`modcli sweep`: isoFLOP grids, points, resume, results.jsonl."""

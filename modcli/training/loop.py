@@ -1,0 +1,645 @@
+"""`modcli train`: AdamW with warm-up and cosine decay, checkpoints, resume, metrics and a FLOP budget.
+
+Runs as one process, or under `torchrun` as DDP / FSDP2 (see modcli/training/distributed.py); rank 0 alone prints,
+writes metrics and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from modcli.checkpoint.lock import RunLock, run_lock_path
+from modcli.checkpoint.store import (
+    build_model,
+    check_config_values,
+    check_weights_file,
+    clean_stale,
+    complete_checkpoints,
+    load_model_from,
+    load_weights,
+    read_config,
+    read_optimizer_state,
+    read_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from modcli.compiling import CompileStats, compile_module, graph_break_counts
+from modcli.config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainConfig
+from modcli.data.corpus import BatchSampler, Corpus, evaluation_batches, load_corpus
+from modcli.data.tokenizer import load_tokenizer
+from modcli.errors import TrainingDiverged, UserError, WriteFailed
+from modcli.hardware import autocast, seed_everything
+from modcli.models.decoder import MoDDecoder
+from modcli.models.flops import training_flops
+from modcli.reports.console import MetricsLog, StepProgress, stderr_console
+from modcli.training import distributed
+from modcli.training.distributed import DistributedContext
+from modcli.training.objective import bits_per_byte, early_exit_losses, expert_losses, lm_loss, routing_agreement, routing_losses
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+NAN_AT_STEP_ENV = "MODCLI_TEST_NAN_AT_STEP"
+"""Test hook, read from the environment only: the training loss of this step (from 1) is made NaN, as a diverging
+run's would be (tests/test_reliability.py)."""
+RESUME_KEYS = ("step", "tokens", "flops", "elapsed_s", "sampler")
+
+
+@dataclass
+class TrainResult:
+    """What a training run achieved; `modcli train` prints it as the summary table.
+
+    The validation losses are those of the evaluation records in metrics.jsonl (`val_loss`, `val_bits_per_byte`,
+    and `val_loss_<mode>` per routing mode). A full-sequence mode such as top-k selects a token by comparing it
+    with later tokens, so its loss sees the future; `val_loss` is therefore the causal number. A dense run has only
+    `val_loss` and `val_bits_per_byte` (`val_losses` is empty).
+    """
+
+    run_dir: str
+    checkpoint: str
+    steps: int
+    train_loss: float
+    val_loss: float
+    """Validation loss (nats/token) under the router's first causal mode (what decoding does); for dense the only
+    loss."""
+    val_bits_per_byte: float
+    """`val_loss` in bits per byte."""
+    val_routing: str
+    """The routing mode of `val_loss` ("dense" for a dense model)."""
+    val_losses: dict[str, float]
+    """MoD: the validation loss under each routing mode of the router, causal modes first."""
+    val_causal: dict[str, bool]
+    """MoD: whether each mode of `val_losses` is causal; a non-causal loss sees the future, a reference only."""
+    init_val_loss: float | None
+    """With --init-from: the original model's validation loss (its causal mode) on the same windows, before
+    training: what a converted model is compared with."""
+    tokens: int
+    flops: float
+    wall_time_s: float
+    tokens_per_s: float
+    dense: bool
+    router: str | None
+    """The router kind of the routed blocks (modcli.models.routing.registry); None for a dense model."""
+    parameters: int
+    world_size: int
+    compile_s: float | None = None
+    """With --compile: wall time of the first step of this session (compilation plus the step), left out of
+    tokens_per_s."""
+    graph_breaks: int | None = None
+    """With --compile: graph breaks torch.compile met (0: the step is one graph)."""
+
+
+def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
+    """Linear warm-up to lr, then cosine decay to lr x min_lr_ratio at total_steps (steps count from 1)."""
+    if config.warmup and step <= config.warmup:
+        return config.lr * step / config.warmup
+    progress = min(1.0, (step - config.warmup) / max(1, total_steps - config.warmup))
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay on the blocks' matrices only (not norms, biases or the
+    embedding). Router parameters (the routers and their predictors) learn at --router-lr-scale x the learning rate
+    (`lr_scale` of their groups)."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decays = param.ndim == 2 and "embed" not in name
+        separate = config.router_lr_scale != 1.0 and ".router." in name  # default: the same two groups as ever
+        groups.setdefault((decays, separate), []).append(param)
+    return torch.optim.AdamW(
+        [{"params": params, "weight_decay": config.weight_decay if decays else 0.0,
+          "lr_scale": config.router_lr_scale if is_router else 1.0}
+         for (decays, is_router), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
+        lr=config.lr, betas=(0.9, 0.95), **_fused_if_possible([p for params in groups.values() for p in params]))
+
+
+def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """AdamW's fused kernel where it exists (plain CPU or CUDA tensors): one kernel over all parameters instead of
+    a loop of small ops. On the small preset's 6.5M parameters, one CPU step (1 thread) takes 6.8 ms fused against
+    64.5 ms (for-loop, PyTorch's CPU default): the update does not shrink with routed tokens, and it was most of an
+    MoD training step at batch 1 (the whole step measured 109.5 ms on 1 thread). Sharded (FSDP2 DTensor) or other
+    devices' parameters keep PyTorch's default."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - builds without distributed
+        DTensor = ()  # noqa: N806
+    plain = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                for p in params)
+    return {"fused": True} if params and plain else {}
+
+
+def capacity_at(step: int, model_config: ModelConfig, config: TrainConfig) -> float:
+    """The capacity in force at `step` (from 1): 1.0 annealed linearly to --capacity over --capacity-warmup steps."""
+    if not config.capacity_warmup or step >= config.capacity_warmup:
+        return model_config.capacity
+    return 1.0 - (1.0 - model_config.capacity) * step / config.capacity_warmup
+
+
+def step_flops(config: RunConfig, world_size: int = 1) -> int:
+    """Training FLOPs of one optimiser step over the global batch."""
+    tc = config.train
+    return training_flops(config.model, config.model.seq_len) * tc.batch_size * tc.grad_accum * world_size
+
+
+def total_steps(config: RunConfig, world_size: int = 1) -> int:
+    """--max-steps, or with --flops-budget the steps that budget pays for (the budget wins)."""
+    if config.train.flops_budget:
+        return max(1, math.ceil(config.train.flops_budget / step_flops(config, world_size)))
+    return config.train.max_steps
+
+
+def validation_modes(model: MoDDecoder) -> list[str]:
+    """Routing modes evaluated during training, causal first (e.g. router, predictor, then top-k for the topk
+    router). The dense twin has no routed block, so every mode is the same model: one evaluation."""
+    if model.config.dense:
+        return ["dense"]
+    causal = model.causal_modes()
+    return [*causal, *(mode for mode in model.routing_modes() if mode not in causal)]
+
+
+@torch.no_grad()
+def validation_losses(model: torch.nn.Module, corpus: Corpus, config: RunConfig, context: DistributedContext,
+                      modes: list[str]) -> dict[str, float]:
+    """The validation keys of metrics.jsonl (see TrainResult): mean losses over the fixed validation windows of
+    the global batch, each routing mode of `modes` (`validation_modes`) on the same windows; each rank evaluates
+    its slice. `val_loss` is the first mode's."""
+    tc, device = config.train, context.device
+    model.eval()
+    losses: dict[str, list[torch.Tensor]] = {mode: [] for mode in modes}
+    for inputs, targets in evaluation_batches(corpus.val, config.model.seq_len, tc.batch_size * context.world_size,
+                                              tc.eval_batches):
+        mine = slice(context.rank * tc.batch_size, (context.rank + 1) * tc.batch_size)
+        inputs, targets = inputs[mine].to(device), targets[mine].to(device)  # (b, T)
+        for mode in modes:
+            with autocast(device, tc.dtype):
+                logits = model(inputs, mode)  # (b, T, V)
+            losses[mode].append(lm_loss(logits, targets))
+    model.train()
+    module = getattr(model, "_orig_mod", model)
+    if hasattr(module, "reshard"):  # FSDP2 keeps the root unsharded after a no-grad forward; undo that
+        module.reshard()
+    means = torch.stack([torch.stack(losses[mode]).mean() for mode in modes]).float()  # (modes,)
+    by_mode = dict(zip(modes, distributed.mean_across_ranks(means, context).tolist(), strict=True))
+    result = {"val_loss": by_mode[modes[0]],
+              "val_bits_per_byte": bits_per_byte(by_mode[modes[0]], corpus.bytes_per_token)}
+    if not config.model.dense:
+        result.update({f"val_loss_{mode}": loss for mode, loss in by_mode.items()})
+    return result
+
+
+def _check_resumable(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
+    for section in ("model", "data"):
+        old, new = getattr(saved, section), getattr(config, section)
+        for f in fields(old):
+            if getattr(old, f.name) != getattr(new, f.name):
+                raise UserError(
+                    f"--resume: --{f.name.replace('_', '-')} is {getattr(new, f.name)!r} but {checkpoint} was "
+                    f"trained with {getattr(old, f.name)!r}"
+                )
+
+
+def _encode_rng(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def rng_states(device: torch.device) -> dict[str, str]:
+    """This process' CPU RNG state and, on CUDA, its device's RNG state (base64, for state.json)."""
+    states = {"torch": _encode_rng(torch.get_rng_state())}
+    if device.type == "cuda":
+        states["cuda"] = _encode_rng(torch.cuda.get_rng_state(device))
+    return states
+
+
+def restore_rng_states(states: dict[str, str], device: torch.device) -> None:
+    """Undo `rng_states`; a CUDA state saved by a CPU run (or the reverse) leaves that generator as seeded."""
+    torch.set_rng_state(_decode_rng(states["torch"]))
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(_decode_rng(states["cuda"]), device)
+
+
+def gather_resume_state(scaler: torch.amp.GradScaler, context: DistributedContext) -> dict[str, Any] | None:
+    """The random state a resumed run needs to repeat this one exactly, for state.json (a collective).
+
+    On rank 0: {"rng": {"ranks": [per-rank CPU and CUDA RNG states, indexed by rank]}, "grad_scaler": the float16
+    loss scaler's state_dict ({} when --dtype is not float16; it is the same on every rank)}. None elsewhere.
+    """
+    states = distributed.gather_to_main(rng_states(context.device), context)
+    if states is None:
+        return None
+    return {"rng": {"ranks": states}, "grad_scaler": scaler.state_dict()}
+
+
+def restore_resume_state(state: dict[str, Any], scaler: torch.amp.GradScaler, context: DistributedContext,
+                         dropout: float) -> str | None:
+    """Load what `gather_resume_state` saved into this rank; returns a note for rank 0 to print, if any.
+
+    With the world size of the saved run each rank takes its own RNG states. A checkpoint written before
+    per-rank states holds only rank 0's CPU state (`rng.torch`); the other ranks then keep their fresh seeds. With
+    another world size every rank keeps its fresh seed, so dropout masks differ from an uninterrupted run.
+    """
+    rng = state.get("rng", {})
+    per_rank = rng.get("ranks", [{"torch": rng["torch"]}] if "torch" in rng else [])
+    saved_world = state.get("world_size", 1)
+    note = None
+    if saved_world == context.world_size:
+        if context.rank < len(per_rank):
+            restore_rng_states(per_rank[context.rank], context.device)
+    elif dropout > 0:
+        note = (f"note: the checkpoint was saved with world size {saved_world} and resumes with world size "
+                f"{context.world_size}: ranks start from fresh seeds, so dropout randomness differs from an "
+                "uninterrupted run")
+    if state.get("grad_scaler") and scaler.is_enabled():
+        scaler.load_state_dict(state["grad_scaler"])
+    return note
+
+
+@dataclass
+class _Prepared:
+    """Everything a training run holds between steps."""
+
+    corpus: Corpus
+    model: MoDDecoder
+    wrapped: torch.nn.Module
+    optimizer: torch.optim.AdamW
+    sampler: BatchSampler
+    scaler: torch.amp.GradScaler
+    step: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+    elapsed_before: float = 0.0
+    last_checkpoint: Path | None = None
+    note: str | None = None
+    notes: list[str] = field(default_factory=list)
+    """Lines for rank 0 to print before training (a stale lock taken over, temporary folders cleaned up)."""
+    init_val_loss: float | None = None
+
+
+def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
+    """Checks, data, model, optimizer and (with --resume) the newest checkpoint's state."""
+    tc, mc = config.train, config.model
+    check_config_values(config.to_dict())
+    if not 0 <= tc.seed < 2**63:  # what numpy's and torch's generators accept
+        raise UserError(f"--seed must be in [0, 2**63), got {tc.seed}")
+    run_dir = Path(tc.out)
+    existing = complete_checkpoints(run_dir)
+    if tc.resume and not existing:
+        raise UserError(f"--resume: no complete checkpoint in {run_dir}")
+    if not tc.resume and existing:
+        raise UserError(f"--out {run_dir} already holds checkpoints; pass --resume to continue or pick another --out")
+    if tc.dtype == "float16" and (context.device.type == "cpu" or tc.parallel == "fsdp"):
+        raise UserError("--dtype float16 needs a GPU and --parallel ddp; use bfloat16 or float32")
+    if tc.compile and context.enabled and tc.parallel == "fsdp":
+        raise UserError("--compile with --parallel fsdp is not supported yet; use --parallel ddp")
+
+    init = resolve_checkpoint(tc.init_from) if tc.init_from and not tc.resume else None
+    if init is not None:
+        _check_init_from(read_config(init), config, init)
+    tokenizer = _run_tokenizer(config, init, context)
+    corpus = load_corpus(config.data, mc.seq_len, tokenizer)
+    seed_everything(tc.seed)  # identical initial weights on every rank
+    if tc.resume:
+        _loading(lambda checkpoint: check_weights_file(checkpoint, mc), existing[-1], existing)
+    model = build_model(mc)
+    resume_state = optimizer_state = None
+    init_val_loss = None
+    if tc.resume:
+        newest = existing[-1]
+        _check_resumable(_loading(read_config, newest, existing), config, newest)
+        _loading(lambda checkpoint: load_weights(model, checkpoint), newest, existing)
+        resume_state = _loading(_read_resume_state, newest, existing)
+        optimizer_state = _loading(read_optimizer_state, newest, existing)
+        init_val_loss = resume_state.get("init_val_loss")
+    elif init is not None:
+        original, _, _ = load_model_from(init, context.device)
+        init_val_loss = validation_losses(original, corpus, config, context, validation_modes(original)[:1])["val_loss"]
+        del original
+        _load_for_conversion(model, init)
+    freeze_for(model, tc.trainable)
+    model = model.to(context.device)
+    wrapped = distributed.wrap_model(model, context, tc.parallel)
+    optimizer = make_optimizer(model, tc)
+    sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
+    scaler = torch.amp.GradScaler(context.device.type, enabled=tc.dtype == "float16")
+    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss)
+    torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
+    if resume_state is not None:
+        newest = existing[-1]
+        try:
+            set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True))
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise UserError(f"{newest / 'optimizer.pt'} does not fit this model's optimizer: "
+                            f"{' '.join(str(exc).split())[:200]}") from None
+        prepared.step, prepared.tokens = resume_state["step"], resume_state["tokens"]
+        prepared.flops, prepared.elapsed_before = resume_state["flops"], resume_state["elapsed_s"]
+        prepared.last_checkpoint = newest
+        try:
+            sampler.load_state(resume_state["sampler"])
+            prepared.note = restore_resume_state(resume_state, scaler, context, mc.dropout)
+        except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+            raise UserError(f"{newest / 'state.json'} is damaged: {' '.join(str(exc).split())[:200]}") from None
+    return prepared
+
+
+def _loading(read, checkpoint: Path, existing: list[Path]):
+    """read(checkpoint) for --resume; a damaged newest checkpoint says which older one could be resumed from."""
+    try:
+        return read(checkpoint)
+    except UserError as exc:
+        if len(existing) < 2:
+            raise
+        raise UserError(f"--resume: {exc}; the older {existing[-2].name} may be intact: move {checkpoint.name} out "
+                        "of the run folder to resume from it") from None
+
+
+def _read_resume_state(checkpoint: Path) -> dict[str, Any]:
+    state = read_state(checkpoint)
+    missing = [key for key in RESUME_KEYS if key not in state]
+    if missing:
+        raise UserError(f"{checkpoint / 'state.json'} is damaged: no {', '.join(missing)}")
+    return state
+
+
+def lock_run_folder(run_dir: Path) -> tuple[RunLock, list[str]]:
+    """Take the run folder's lock (a second `modcli train` into it is refused) and tidy what a killed save left;
+    returns the lock and the notes to print."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--out {run_dir} is a file, not a run folder")
+    created = not run_dir.exists()
+    lock = RunLock(run_lock_path(run_dir), "train", run_dir)
+    note = lock.acquire()
+    if created:
+        lock.remove_empty = run_dir
+    try:
+        return lock, ([note] if note else []) + clean_stale(run_dir)
+    except OSError as exc:
+        lock.release()
+        raise UserError(f"--out {run_dir}: cannot clean up temporary folders: {exc.strerror or exc}") from None
+
+
+def _check_init_from(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
+    for name in SHAPE_FIELDS:
+        mine, theirs = getattr(config.model, name), getattr(saved.model, name)
+        if mine != theirs:
+            raise UserError(f"--init-from: --{name.replace('_', '-')} is {mine!r} but {checkpoint} has {theirs!r}")
+    if config.data.tokenizer != saved.data.tokenizer and saved.data.tokenizer != "bytes" and \
+            config.data.tokenizer == "bytes":
+        raise UserError(f"--init-from: {checkpoint} reads text with {saved.data.tokenizer}, this run with bytes")
+
+
+def _run_tokenizer(config: RunConfig, init: Path | None, context: DistributedContext):
+    """The run's tokenizer. A run keeps its tokenizer.json in its folder: one started --init-from a run with one, or
+    given --tokenizer FILE, gets a copy there (and its config says "tokenizer.json")."""
+    run_dir, spec = Path(config.train.out), config.data.tokenizer
+    in_run = not Path(spec).is_absolute() and (run_dir / spec).is_file()  # a resumed run's own copy
+    if spec != "bytes" and not in_run:
+        source = init.parent / spec if init is not None else Path(spec)
+        if not source.is_file():
+            raise UserError(f"--tokenizer: no such file: {source}")
+        if context.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, run_dir / "tokenizer.json")
+        config.data.tokenizer = "tokenizer.json"
+    distributed.barrier(context)
+    tokenizer = load_tokenizer(config.data.tokenizer, run_dir)
+    vocab = getattr(getattr(tokenizer, "tokenizer", None), "get_vocab_size", lambda: 256)()
+    if vocab > config.model.vocab_size:
+        raise UserError(f"the tokenizer has {vocab} tokens but the model's vocabulary is {config.model.vocab_size}")
+    return tokenizer
+
+
+def _load_for_conversion(model: MoDDecoder, checkpoint: Path) -> None:
+    """The weights of `checkpoint` into `model`, whose routers (if any) are new and keep their initialisation."""
+    from safetensors.torch import load_file
+
+    state = {name: tensor for name, tensor in load_file(str(checkpoint / "model.safetensors")).items()
+             if ".router." not in name}  # a router of another kind (or none) in the original: start afresh
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if ".router." not in name and name != "head.weight"]
+    if missing or unexpected:
+        raise UserError(f"--init-from: {checkpoint} does not fit (missing {missing}, unexpected {unexpected})")
+
+
+def freeze_for(model: torch.nn.Module, trainable: str) -> None:
+    """--trainable: all; routers (their parameters and predictors only); routers+norms (and the RMSNorm weights)."""
+    for name, param in model.named_parameters():
+        if trainable == "routers":
+            param.requires_grad_(".router." in name)
+        elif trainable == "routers+norms":
+            param.requires_grad_(".router." in name or name.endswith("norm.weight"))
+
+
+def train(config: RunConfig, quiet: bool = False) -> TrainResult:
+    """Train an MoD decoder (or its dense twin) as `config` says; returns the summary of the run."""
+    context = distributed.setup(config.train.device)
+    lock = None
+    try:
+        prepared, error, notes = None, None, []
+        try:
+            if context.is_main:  # rank 0 writes the run folder, so rank 0 holds its lock
+                lock, notes = lock_run_folder(Path(config.train.out))
+            prepared = _prepare(config, context)
+            prepared.notes = notes
+        except UserError as exc:
+            error = exc
+        distributed.agree_on_errors(context, error)
+        return _run(config, context, prepared, quiet or not context.is_main)
+    finally:
+        if lock is not None:
+            lock.release()
+        prepared = None  # the DDP wrapper (and its reducer) must go before its process group, or freeing it can hang
+        distributed.teardown(context)
+
+
+def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: bool) -> TrainResult:
+    tc, mc = config.train, config.model
+    device, run_dir = context.device, Path(tc.out)
+    steps = total_steps(config, context.world_size)
+    per_step_flops = step_flops(config, context.world_size)
+    global_batch = tc.batch_size * tc.grad_accum * context.world_size
+    compile_stats = CompileStats() if tc.compile else None
+    # dynamic=None: a capacity warm-up changes k, which then becomes a symbolic size instead of a recompile per k
+    forward = compile_module(run.wrapped, device, dynamic=None) if tc.compile else run.wrapped
+    breaks_before = graph_break_counts()
+    scaler = run.scaler
+    train_mode = run.model.training_mode
+    modes = validation_modes(run.model)
+    metrics = MetricsLog(run_dir, resume_step=run.step if tc.resume else None) if context.is_main else None
+    if not quiet:
+        kind = (f"MoD, {mc.router} router, capacity {mc.capacity} on blocks {mc.routed_layers()}"
+                if mc.arch == "mod" and not mc.dense and not mc.experts else mc.kind)
+        parallel = f", {context.world_size} ranks ({tc.parallel})" if context.enabled else ""
+        stderr_console.print(
+            f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
+            f"{device}{parallel}; {steps} steps, global batch {global_batch} = {tc.batch_size} x {tc.grad_accum} "
+            f"x {context.world_size} sequences of {mc.seq_len} tokens", highlight=False)
+        for note in [*run.notes, run.note]:
+            if note:
+                stderr_console.print(note, highlight=False, soft_wrap=True)
+    progress = StepProgress(steps, run.step, tc.log_every, quiet)
+
+    session_start = time.perf_counter()
+    session_tokens, train_time = 0, 0.0
+    train_loss = float("nan")
+    validation: dict[str, float] | None = None
+
+    def save() -> Path | None:
+        """Gather the full state and every rank's RNG states (collectives); rank 0 writes it."""
+        optimizer_state = get_optimizer_state_dict(run.model, run.optimizer, options=FULL_STATE)
+        model_state = get_model_state_dict(run.model, options=FULL_STATE) if context.enabled else None
+        resume_state = gather_resume_state(scaler, context)
+        if not context.is_main:
+            return run.last_checkpoint
+        to_save = run.model
+        if model_state is not None:  # sharded or replicated across ranks: save a plain CPU copy
+            with torch.random.fork_rng(devices=[]):  # its initialisation must not move the saved RNG on
+                to_save = build_model(mc)
+            to_save.load_state_dict(model_state)
+        state = {"step": run.step, "tokens": run.tokens, "flops": run.flops, "world_size": context.world_size,
+                 "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
+                 "sampler": run.sampler.state(), "init_val_loss": run.init_val_loss, **resume_state}
+        return save_checkpoint(run_dir, run.step, to_save, optimizer_state, config, state, tc.keep)
+
+    try:
+        nan_at_step = int(os.environ.get(NAN_AT_STEP_ENV) or 0)
+    except ValueError:
+        nan_at_step = 0
+
+    def diverged(what: str, step: int) -> str:
+        kept = (f"; the last good checkpoint, {run.last_checkpoint}, is kept" if run.last_checkpoint
+                else "; no checkpoint was saved before it")
+        return f"training diverged: {what} at step {step}{kept}"
+
+    run.wrapped.train()
+    try:
+        while run.step < steps:
+            step_start = time.perf_counter()
+            lr = learning_rate(run.step + 1, steps, tc)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+            capacity = capacity_at(run.step + 1, mc, tc)
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(tc.grad_accum):
+                distributed.gradient_sync(run.wrapped, micro == tc.grad_accum - 1)
+                inputs, targets = (t.to(device, non_blocking=True) for t in run.sampler.next())
+                with autocast(device, tc.dtype):
+                    logits, records = forward(inputs, train_mode, return_records=True, capacity=capacity)
+                    loss = lm_loss(logits, targets)
+                    if nan_at_step == run.step + 1:
+                        loss = loss * float("nan")
+                    router_aux, predictor_aux = routing_losses(records)
+                    expert_aux, expert_stats = expert_losses(run.wrapped)
+                    exit_aux, exit_stats = early_exit_losses(run.wrapped, targets)
+                    total = (loss + tc.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
+                             + tc.expert_aux_weight * expert_aux.to(device) + exit_aux.to(device))
+                scaler.scale(total / tc.grad_accum).backward()
+                loss_sum += loss.detach()
+            train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
+            if not math.isfinite(train_loss):
+                raise TrainingDiverged(diverged(f"the loss became {train_loss}", run.step + 1))
+            scaler.unscale_(run.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip or float("inf"))
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # float16's scaler skips such steps itself
+                raise TrainingDiverged(diverged(f"the gradient norm became {grad_norm}", run.step + 1))
+            scaler.step(run.optimizer)
+            scaler.update()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.step += 1
+            step_tokens = global_batch * mc.seq_len
+            run.tokens += step_tokens
+            session_tokens += step_tokens
+            run.flops += per_step_flops
+            train_time += time.perf_counter() - step_start
+            if compile_stats is not None and not compile_stats.compile_s:  # the first step compiled the graphs
+                compile_stats.compile_s = time.perf_counter() - step_start
+                compile_stats.count_breaks_since(breaks_before)
+                train_time, session_tokens = 0.0, 0
+                if not quiet:
+                    stderr_console.print(f"torch.compile: {compile_stats.describe()} (the first step; left out of "
+                                         "tokens/s)", highlight=False, soft_wrap=True)
+
+            last_step = run.step == steps or bool(tc.flops_budget and run.flops >= tc.flops_budget)
+            evaluate_now = run.step % tc.eval_every == 0 or last_step
+            record = {"step": run.step, "loss": train_loss, "lr": lr,
+                      **({"compile_s": compile_stats.compile_s} if compile_stats and session_tokens == 0 else {}),
+                      "grad_norm": grad_norm,
+                      "tokens": run.tokens, "flops": run.flops,
+                      "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
+                      "tokens_per_s": session_tokens / max(train_time, 1e-9)}
+            if records:
+                record["router_aux_loss"] = router_aux.item()
+                record["predictor_loss"] = predictor_aux.item()
+                if tc.capacity_warmup:
+                    record["capacity"] = capacity
+                if run.step % tc.log_every == 0 or last_step:
+                    record["routing"] = routing_agreement(records)
+            if expert_stats is not None:
+                record["expert_aux_loss"] = expert_aux.item()
+                if run.step % tc.log_every == 0 or last_step:
+                    record["experts"] = expert_stats()
+            if exit_stats is not None:
+                record["exit_loss"] = exit_aux.item()
+                if run.step % tc.log_every == 0 or last_step:
+                    record["exit_losses"] = exit_stats()
+            if evaluate_now:
+                validation = validation_losses(forward, run.corpus, config, context, modes)
+                record.update(validation)
+                broken = next((key for key, value in validation.items() if not math.isfinite(value)), None)
+                if broken is not None:
+                    raise TrainingDiverged(diverged(f"the validation loss ({broken}) became {validation[broken]}",
+                                                    run.step))
+            if metrics is not None:
+                try:
+                    metrics.write(record)
+                except OSError as exc:
+                    raise WriteFailed(f"cannot write {metrics.path}: {exc.strerror or exc}") from None
+            progress.update(run.step, f"loss {train_loss:.3f} tok/s {record['tokens_per_s']:.0f}")
+            if evaluate_now:
+                error = None
+                try:
+                    run.last_checkpoint = save()
+                except WriteFailed as exc:
+                    error = exc
+                distributed.agree_on_errors(context, error)  # every rank stops, none waits in a collective
+            if last_step:
+                break
+    finally:
+        progress.close()
+        if metrics is not None:
+            metrics.close()
+
+    if validation is None:  # nothing left to train (resumed at the end): evaluate what is there
+        validation = validation_losses(forward, run.corpus, config, context, modes)
+    caps = run.model.capabilities
+    return TrainResult(
+        run_dir=str(run_dir), checkpoint=str(run.last_checkpoint), steps=run.step, train_loss=train_loss,
+        val_loss=validation["val_loss"], val_bits_per_byte=validation["val_bits_per_byte"], val_routing=modes[0],
+        val_losses={mode: validation[f"val_loss_{mode}"] for mode in modes if f"val_loss_{mode}" in validation},
+        val_causal={mode: caps.is_causal(mode) for mode in modes} if caps else {}, init_val_loss=run.init_val_loss,
+        tokens=run.tokens, flops=run.flops,
+        wall_time_s=run.elapsed_before + time.perf_counter() - session_start,
+        tokens_per_s=session_tokens / max(train_time, 1e-9), dense=mc.dense, router=None if mc.dense else mc.router,
+        parameters=run.model.num_parameters(), world_size=context.world_size,
+        compile_s=compile_stats.compile_s if compile_stats else None,
+        graph_breaks=compile_stats.graph_breaks if compile_stats else None,
+    )

@@ -1,0 +1,284 @@
+"""Property-based tests of every command's flags (hypothesis): whatever values a user types, a command either
+succeeds or refuses with exit code 2 and one line on stderr; never a traceback, never exit code 1 for a mistake.
+
+The flags of each command are read from its signature, so a new flag is fuzzed as soon as it exists. Each example
+adds one to three drawn flags (numbers out of range, negative, zero, huge, NaN and infinity strings, unknown
+choices, empty strings, paths that do not exist) to a tiny, fast base command line; a flag given twice takes its
+last value, so the drawn value wins. Values that are valid but only make a run long (a huge --max-steps) are not
+drawn for the flags listed in `small_only`; flags whose valid use is slow by nature (`--compile`, `--memory`) are
+left to their own tests. `MODCLI_FUZZ_EXAMPLES` raises the number of examples for a longer search.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.models import ArgumentInfo, OptionInfo
+from typer.testing import CliRunner
+
+from modcli.cli import app
+from modcli.commands import evaluate, export, generate, import_command, plot, profile, routes, sweep, tokenizer, train
+
+EXAMPLES = int(os.environ.get("MODCLI_FUZZ_EXAMPLES", "0"))
+
+
+def fuzz_settings(examples: int):
+    return settings(max_examples=EXAMPLES or examples, deadline=None, derandomize=not EXAMPLES, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option of a command: how to spell it and what kind of value it takes."""
+
+    option: str
+    kind: str
+    """int, float, text, bool (a switch; `off` is its negative spelling, if any) or list (repeatable text)."""
+    off: str | None = None
+
+
+def command_flags(function) -> dict[str, Flag]:
+    """The options of a typer command function, by parameter name, from its annotations."""
+    flags = {}
+    for name, hint in typing.get_type_hints(function, include_extras=True).items():
+        if typing.get_origin(hint) is not Annotated:
+            continue
+        base, *extras = typing.get_args(hint)
+        info = next((e for e in extras if isinstance(e, (OptionInfo, ArgumentInfo))), None)
+        if not isinstance(info, OptionInfo):
+            continue
+        decls = [d for d in (info.param_decls or ()) if isinstance(d, str)]
+        if isinstance(info.default, str) and info.default.startswith("-"):
+            decls.insert(0, info.default)
+        spelling = decls[0] if decls else "--" + name.replace("_", "-")
+        on, _, off = spelling.partition("/")
+        arms = [arm for arm in typing.get_args(base) if arm is not type(None)] or [base]
+        kind = arms[0]
+        if typing.get_origin(kind) is list:
+            flags[name] = Flag(on, "list")
+        elif kind is bool:
+            flags[name] = Flag(on, "bool", off or None)
+        else:
+            flags[name] = Flag(on, {int: "int", float: "float"}.get(kind, "text"))
+    return flags
+
+
+INTS = ["-1", "0", "1", "2", "3", "17", "1000000000000", "-99999999999999999999", "1.5", "abc", "", " 3"]
+FLOATS = ["-1", "0", "-0.0", "1e-30", "0.25", "0.5", "1", "1.5", "2", "1e30", "1e309", "nan", "inf", "-inf", "abc",
+          ""]
+SMALL_INTS = ["-1", "0", "1", "2", "abc", ""]
+SMALL_FLOATS = ["-1", "0", "1e6", "nan", "inf", "-inf", "abc", ""]
+TEXTS = ["", " ", "abc", "0", "-1", "1,3", "0,0", "topk", "router", "predictor", "dense", "none", "threshold",
+         "random", "attention", "cpu", "cuda", "auto", "float16", "bfloat16", "forward", "decode", "all", "routers",
+         "tiny", "small", "no-such-dir/", "no/such/file.toml", "no-such.bin"]
+"""Paths among them are relative: every example runs in a fresh empty folder, so a drawn --out stays inside it."""
+
+
+def value_strategy(flag: Flag, small: bool):
+    if flag.kind == "bool":
+        return st.sampled_from([flag.option] + ([flag.off] if flag.off else []))
+    if flag.kind == "int":
+        values = st.sampled_from(SMALL_INTS if small else INTS)
+    elif flag.kind == "float":
+        values = st.sampled_from(SMALL_FLOATS if small else FLOATS)
+    else:
+        typed = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\0"), max_size=6)  # argv has no NUL
+        values = st.one_of(st.sampled_from(TEXTS), typed.map(
+            lambda text: text.lstrip("/").replace("..", "__")))  # never a path outside the example's folder
+    return values.map(lambda value: [flag.option, value])
+
+
+def drawn_flags(flags: dict[str, Flag], small_only: frozenset[str] = frozenset()):
+    """One to three distinct flags of `flags` with drawn values, as extra command-line arguments."""
+    names = sorted(flags)
+    return st.lists(st.sampled_from(names), min_size=1, max_size=3, unique=True).flatmap(
+        lambda chosen: st.tuples(*[value_strategy(flags[n], n in small_only) for n in chosen])).map(
+        lambda parts: [arg for part in parts for arg in (part if isinstance(part, list) else [part])])
+
+
+def check(result, args: list[str], allowed: tuple[int, ...] = (0, 2)) -> None:
+    """Succeeded, or refused with exit code 2 and one "error:" line on stderr (after any progress lines);
+    never a traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), (args, repr(result.exception))
+    assert result.exit_code in allowed, (args, result.exit_code, result.output)
+    assert "Traceback" not in result.output, (args, result.output)
+    if result.exit_code != 0:
+        lines = result.stderr.strip().splitlines()
+        errors = [line for line in lines if line.startswith("error")]
+        assert len(errors) == 1 and lines[-1] == errors[0], (args, result.stderr)
+
+
+def invoke(tmp_path_factory, args: list[str]):
+    """Run `modcli ARGS` in a fresh empty working folder (a drawn --out lands there)."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    runner = CliRunner()
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        return runner.invoke(app, args)
+    finally:
+        os.chdir(cwd)
+
+
+def without(flags: dict[str, Flag], *names: str) -> dict[str, Flag]:
+    return {name: flag for name, flag in flags.items() if name not in names}
+
+
+# ----------------------------------------------------------------------------------------------- the commands
+
+
+TRAIN_FLAGS = without(command_flags(train.train), "compile")
+TRAIN_WORKLOAD = frozenset({"max_steps", "eval_batches", "grad_accum", "flops_budget", "eval_every"})
+
+
+@fuzz_settings(24)
+@given(extra=drawn_flags(TRAIN_FLAGS, TRAIN_WORKLOAD))
+def test_train_flags(extra, corpus_file, tmp_path_factory):
+    base = ["train", "--data", str(corpus_file), "--out", "run", "--d-model", "32", "--n-layers", "2", "--n-heads",
+            "4", "--seq-len", "16", "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches",
+            "1", "--device", "cpu", "--warmup", "0"]
+    # a diverging run (an absurd --lr) stops with its own exit code, 3, by design
+    check(invoke(tmp_path_factory, base + extra), base + extra, allowed=(0, 2, 3))
+
+
+@fuzz_settings(16)
+@given(extra=drawn_flags(command_flags(evaluate.eval_command), frozenset({"batches", "batch_size"})),
+       where=st.integers(0, 6))
+def test_eval_flags(extra, where, trained_run, tmp_path_factory):
+    target = [str(trained_run)] * 4 + ["", "no-such-run", str(trained_run / "metrics.jsonl")]
+    args = ["eval", target[where], "--batches", "1", "--batch-size", "1", "--device", "cpu", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(16)
+@given(extra=drawn_flags(without(command_flags(generate.generate), "compile")), where=st.integers(0, 6))
+def test_generate_flags(extra, where, trained_run, tmp_path_factory):
+    target = [str(trained_run)] * 4 + ["", "no-such-run", str(trained_run / "metrics.jsonl")]
+    args = ["generate", target[where], "--max-new-tokens", "2", "--device", "cpu", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+PROFILE_WORKLOAD = frozenset({"repeats", "warmup", "decode_tokens", "batch_size", "seq_len"})
+
+
+@fuzz_settings(16)
+@given(extra=drawn_flags(without(command_flags(profile.profile), "compile", "backends", "memory", "seq_lens"), PROFILE_WORKLOAD))
+def test_profile_flags(extra, tmp_path_factory):
+    args = ["profile", "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "16",
+            "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--measure", "forward", "--decode-tokens", "2",
+            "--no-memory", "--compare", "none", "--device", "cpu", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@pytest.fixture
+def no_lowering(monkeypatch):
+    """Everything `modcli export` checks before lowering runs; the lowering and validation themselves (seconds per
+    bundle) are tested in test_export.py, so here a bundle that passed every check is written as an empty one."""
+    import modcli.bundle.writer as export_bundle
+
+    def write_nothing(tmp, out, config, *args, **kwargs):
+        (tmp / "manifest.json").write_text("{}")
+        return export_bundle.ExportResult(bundle=str(out), valid=True, atol=float(config.atol), dtype=config.dtype,
+                                          routing=config.routing, files=[], checks=[], seconds=0.0, failures=[])
+
+    monkeypatch.setattr(export_bundle, "_write_bundle", write_nothing)
+
+
+@fuzz_settings(16)
+@given(extra=drawn_flags(without(command_flags(export.export), "compile")), where=st.integers(0, 6))
+def test_export_flags(extra, where, trained_run, no_lowering, tmp_path_factory):
+    target = [str(trained_run)] * 4 + ["", "no-such-run", str(trained_run / "metrics.jsonl")]
+    args = ["export", target[where], "--out", "bundle", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(import_command.import_command)), source=st.sampled_from(["", "nowhere", "."]))
+def test_import_flags(extra, source, tmp_path_factory):
+    args = ["import", source, "--out", "run", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(10)
+@given(extra=drawn_flags(command_flags(tokenizer.train_tokenizer)))
+def test_tokenizer_train_flags(extra, corpus_file, tmp_path_factory):
+    args = ["tokenizer", "train", "--vocab-size", "300", "--data", str(corpus_file), "--max-bytes", "20000",
+            "--out", "tok.json", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(sweep.sweep)))
+def test_sweep_flags(extra, tmp_path_factory):
+    """With --dry-run (a switch the drawn flags cannot turn off) a sweep checks its grid and trains nothing."""
+    grid = tmp_path_factory.mktemp("grid") / "grid.toml"
+    grid.write_text('preset = "tiny"\nbudgets = [1e9]\n[common]\nseq_len = 16\nbatch_size = 2\n'
+                    '[[size]]\nd_model = 32\nn_layers = 2\nn_heads = 4\n[[variant]]\ndense = true\n')
+    args = ["sweep", str(grid), "--dry-run", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(plot.plot)), where=st.integers(0, 4))
+def test_plot_flags(extra, where, trained_run, tmp_path_factory):
+    target = [str(trained_run)] * 3 + ["", "no-such-run"]
+    args = ["plot", target[where], "--out", "curves.png", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(routes.routes), frozenset({"max_tokens"})), where=st.integers(0, 4))
+def test_routes_flags(extra, where, trained_run, corpus_file, tmp_path_factory):
+    target = [str(trained_run)] * 3 + ["", "no-such-run"]
+    args = ["routes", target[where], "--text", str(corpus_file), "--out", "routes.html", "--max-tokens", "16",
+            "--device", "cpu", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+# ----------------------------------------------------------------------------------------------- modcli-run
+
+
+@pytest.fixture(scope="module")
+def bundle(trained_run, tmp_path_factory) -> Path:
+    from tests.bundle.test_export import exported_bundle
+
+    return exported_bundle(trained_run, tmp_path_factory.mktemp("bundles"))
+
+
+def runtime_flags() -> dict[str, Flag]:
+    from modcli_runtime.cli import parser
+
+    flags = {}
+    for action in parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        kind = "bool" if action.nargs == 0 else {int: "int", float: "float"}.get(action.type, "text")
+        flags[action.dest] = Flag(action.option_strings[0], kind)
+    return flags
+
+
+@fuzz_settings(16)
+@given(extra=drawn_flags(runtime_flags(), frozenset({"max_new_tokens"})), where=st.integers(0, 5))
+def test_modcli_run_flags(extra, where, bundle, capsys):
+    from modcli_runtime.cli import main
+
+    target = [str(bundle)] * 4 + ["", "no-such-bundle"]
+    args = [target[where], "--max-new-tokens", "2", *extra]
+    capsys.readouterr()
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code in (0, 2), (args, code, err)
+    if code:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, err)

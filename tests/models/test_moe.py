@@ -1,0 +1,262 @@
+"""Mixture-of-Experts MLPs and MoDE (staged: MoD router + MoE; integrated: no-op experts).
+
+E = 1 with room for every token is the dense MLP; the static (training) and exact (evaluation) dispatches agree;
+no-op experts never compute; the load-balancing loss matches an independent computation; the capacity drops the
+right choices; the causal modes are causal; cached decoding equals the causal full forward; every command works.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modcli.cli import app
+from modcli.config import ModelConfig, RunConfig
+from modcli.models.cache import DecoderCache
+from modcli.models.decoder import MoDDecoder, SwiGLU
+from modcli.models.flops import counted_flops
+from modcli.models.moe import MoEMLP, expert_capacity, load_balancing_loss
+from tests.conftest import tiny_model_config, tiny_run_config
+
+ATOL = 1e-5
+FAMILIES = {  # the three MoE models of the README table, tiny
+    "moe": dict(experts=4, route_every=0),
+    "staged": dict(experts=4, capacity=0.5),
+    "integrated": dict(experts=4, router="integrated", noop_experts=2),
+}
+
+
+def family_model(name: str, **overrides) -> MoDDecoder:
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config(**FAMILIES[name], **overrides)).eval()
+    with torch.no_grad():
+        for module in model.modules():  # zero router biases: the causal rule passes about half the tokens
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+    return model
+
+
+def _moe(experts=4, top_k=1, capacity_factor=1.25, noop=0, d_model=16, hidden=24) -> MoEMLP:
+    torch.manual_seed(0)
+    moe = MoEMLP(d_model, hidden, experts, top_k, capacity_factor, noop)
+    with torch.no_grad():
+        moe.down.normal_(std=0.1)
+        moe.gate.weight.normal_(std=1.0)
+    return moe
+
+
+def test_one_expert_with_room_for_every_token_is_the_dense_swiglu_mlp():
+    config = tiny_model_config(d_model=16, mlp_hidden=24)
+    dense = SwiGLU(config)
+    moe = MoEMLP(16, 24, experts=1, top_k=1, capacity_factor=1.0)
+    with torch.no_grad():
+        moe.gate_up[0].copy_(dense.gate_up.weight.T)
+        moe.down[0].copy_(dense.down.weight.T)
+    x = torch.randn(3, 10, 16)
+    for training in (True, False):  # the static dispatch (training) and the exact one (evaluation)
+        moe.train(training)
+        torch.testing.assert_close(moe(x), dense(x), atol=ATOL, rtol=0)
+        assert moe.stats.dropped.item() == 0
+
+
+@pytest.mark.parametrize("top_k, noop", [(1, 0), (2, 0), (1, 3), (2, 2)])
+def test_static_and_exact_dispatch_agree_when_no_choice_is_dropped(top_k, noop):
+    moe = _moe(top_k=top_k, noop=noop, capacity_factor=100.0)
+    x = torch.randn(2, 12, 16)
+    moe.train()
+    static = moe(x)
+    assert moe.stats.dropped.item() == 0
+    moe.eval()
+    torch.testing.assert_close(static, moe(x), atol=ATOL, rtol=0)
+
+
+def test_the_update_is_the_gate_probability_times_the_chosen_experts():
+    moe = _moe(top_k=2, noop=1).eval()
+    x = torch.randn(1, 5, 16)
+    probs = moe.gate(x).softmax(-1)[0]  # (5, 5)
+    expected = torch.zeros(5, 16)
+    for t in range(5):
+        for e in probs[t].topk(2).indices.tolist():
+            if e < moe.experts:  # a no-op expert adds nothing
+                expected[t] += probs[t, e] * moe.expert(e, x[0, t])
+    torch.testing.assert_close(moe(x)[0], expected, atol=ATOL, rtol=0)
+
+
+def test_noop_experts_never_compute():
+    moe = _moe(noop=2).eval()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[moe.experts:, 0] = 1.0  # every token prefers a no-op expert when x[..., 0] > 0
+    x = torch.randn(2, 10, 16)
+    x[..., 0] = 5.0
+    gate_flops, expert_flops = 2 * 20 * 16 * moe.pool, 2 * 16 * 2 * 24 + 2 * 24 * 16
+    for training in (False, True):
+        moe.train(training)
+        counted = sum(counted_flops(lambda: moe(x)).values())
+        if training:  # static shapes: each real expert's C slots per sequence, whoever fills them; none for no-ops
+            assert counted == gate_flops + 2 * moe.experts * expert_capacity(10, 1, moe.pool, 1.25) * expert_flops
+        else:  # evaluation: no expert runs at all
+            assert counted == gate_flops
+        assert torch.equal(moe(x), torch.zeros_like(x))
+        assert moe.stats.noop.item() == 1.0
+    moe.eval()
+    x[0, 3, 0] = -5.0  # one token now picks a real expert: the experts do exactly one token of work
+    counted = counted_flops(lambda: moe(x))
+    assert sum(counted.values()) == gate_flops + expert_flops
+
+
+def test_load_balancing_loss_matches_an_independent_computation():
+    torch.manual_seed(1)
+    logits = torch.randn(50, 6)
+    probs = logits.softmax(-1)
+    choice = probs.topk(2, dim=-1).indices
+    share = [sum(int(e == i) for row in choice.tolist() for e in row) / (50 * 2) for i in range(6)]
+    mean_prob = [sum(probs[t, i].item() for t in range(50)) / 50 for i in range(6)]
+    expected = 6 * sum(f * p for f, p in zip(share, mean_prob, strict=True))
+    assert load_balancing_loss(probs, choice).item() == pytest.approx(expected, rel=1e-6)
+    uniform = torch.full((8, 4), 0.25)  # balanced routing gives exactly 1
+    assert load_balancing_loss(uniform, torch.arange(8).remainder(4)[:, None]).item() == pytest.approx(1.0)
+
+
+def test_capacity_keeps_first_choices_first_then_earlier_positions():
+    moe = _moe(experts=2, top_k=1, capacity_factor=0.5).train()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[0, 0] = 1.0  # every token chooses expert 0
+    x = torch.randn(1, 8, 16)
+    x[..., 0] = 3.0
+    capacity = expert_capacity(8, 1, 2, 0.5)  # ceil(0.5 * 8 / 2) = 2
+    assert capacity == 2
+    out = moe(x)
+    processed = (out[0].abs().sum(-1) > 0).tolist()
+    assert processed == [True, True] + [False] * 6  # the first two positions fill expert 0's two slots
+    assert moe.stats.dropped.item() == pytest.approx(6 / 8)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@torch.no_grad()
+def test_causal_modes_are_causal(name):
+    model = family_model(name)
+    tokens = torch.randint(0, 256, (2, 24))
+    changed = tokens.clone()
+    changed[:, 15:] = torch.randint(0, 256, (2, 9))
+    for mode in model.causal_modes() or ("dense",):
+        a, b = model(tokens, mode), model(changed, mode)
+        torch.testing.assert_close(a[:, :15], b[:, :15], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@torch.no_grad()
+def test_cached_decoding_equals_the_causal_full_forward(name):
+    model = family_model(name)
+    mode = (model.causal_modes() or ("dense",))[0]
+    tokens = torch.randint(0, 256, (3, 30))
+    full = model(tokens, mode)
+    cache = DecoderCache.allocate(model.config, 3, 30, torch.device("cpu"))
+    logits = [model(tokens[:, :10], mode, cache=cache)[:, -1]]
+    for t in range(10, 30):
+        logits.append(model.decode_step(tokens[:, t], cache, mode))
+    torch.testing.assert_close(torch.stack(logits, dim=1), full[:, 9:], atol=1e-4, rtol=0)
+
+
+def test_integrated_mode_puts_noop_experts_only_in_the_routed_blocks_and_twins_drop_them():
+    config = tiny_model_config(**FAMILIES["integrated"])
+    model = MoDDecoder(config)
+    assert config.dense and config.noop_layers() == [1, 3]  # no MoD router; no-op experts every other block
+    assert [block.mlp.noop_experts for block in model.blocks] == [0, 2, 0, 2]
+    assert config.kind.startswith("integrated MoDE")
+    moe_twin, dense_twin = config.dense_twin(), config.dense_mlp_twin()
+    assert moe_twin.kind == "MoE (E=4, top-1)" and dense_twin.kind == "dense"
+    assert MoDDecoder(moe_twin).num_parameters() == model.num_parameters() - 2 * 2 * config.d_model
+    # one expert's worth per token in the MoE blocks, 4/6 of one where 2 of the 6 choices are no-op experts
+    per_expert = 3 * config.d_model * config.hidden
+    dense_params = MoDDecoder(dense_twin).num_parameters()
+    gates = 2 * config.d_model * 4 + 2 * config.d_model * 6
+    assert model.active_parameters() == dense_params + gates - 2 * round(per_expert / 3)
+
+
+def test_training_logs_expert_statistics_and_the_balancing_loss(tmp_path, corpus_file):
+    from modcli.training.loop import train
+
+    config = tiny_run_config(corpus_file, tmp_path / "run", max_steps=6, eval_every=6, log_every=3)
+    config = RunConfig(model=tiny_model_config(**FAMILIES["integrated"]), data=config.data, train=config.train)
+    result = train(config, quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("expert_aux_loss" in r for r in records if "loss" in r)
+    logged = next(r["experts"] for r in records if "experts" in r)
+    assert set(logged) == {"block0", "block1", "block2", "block3"}
+    assert logged["block0"]["noop"] == 0 and 0 <= logged["block1"]["noop"] <= 1
+    assert 0 <= logged["block1"]["dropped"] <= 1 and len(logged["block1"]["load"]) == 6
+    assert result.val_loss > 0
+
+
+@pytest.fixture(scope="module")
+def trained_families(tmp_path_factory, corpus_file) -> dict[str, str]:
+    runs = {}
+    for name in ("staged", "integrated"):
+        out = tmp_path_factory.mktemp("moe") / name
+        args = ["train", "--data", str(corpus_file), "--out", str(out), "--d-model", "32", "--n-layers", "4",
+                "--n-heads", "4", "--seq-len", "32", "--batch-size", "4", "--max-steps", "4", "--eval-every", "4",
+                "--eval-batches", "1", "--device", "cpu", "--experts", "4", "--json"]
+        args += ["--capacity", "0.5"] if name == "staged" else ["--router", "integrated", "--noop-experts", "2"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        runs[name] = str(out)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["staged", "integrated"])
+def test_every_command_works_with_mode(name, trained_families, tmp_path):
+    runner, run = CliRunner(), trained_families[name]
+    result = runner.invoke(app, ["eval", run, "--batches", "1", "--batch-size", "2", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert all(r["loss"] > 0 for r in json.loads(result.stdout)["results"])
+    result = runner.invoke(app, ["generate", run, "--prompt", "def ", "--max-new-tokens", "5", "--device", "cpu",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    for compare in ("dense", "moe"):
+        result = runner.invoke(app, ["profile", run, "--compare", compare, "--seq-len", "16", "--batch-size", "2",
+                                     "--repeats", "1", "--warmup", "0", "--decode-tokens", "2", "--no-memory",
+                                     "--device", "cpu", "--json"])
+        assert result.exit_code == 0, result.output
+        profiled = json.loads(result.stdout)
+        baseline = profiled["baseline"]
+        assert baseline["config"]["experts"] == (4 if compare == "moe" else 0)
+        assert baseline["config"]["noop_experts"] == 0 and baseline["routed_layers"] == []
+        assert profiled["model"]["active_parameters"] < profiled["model"]["parameters"]
+        assert profiled["results"][0]["ratio"]["forward_latency"]["measured"] > 0
+
+
+@pytest.mark.parametrize("name", ["staged", "integrated"])
+def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
+    from modcli.bundle.writer import ExportConfig, export
+
+    result = export(ExportConfig(checkpoint=trained_families[name], out=str(tmp_path / "bundle"), provider="cpu",
+                                 decode_steps=4))
+    assert result.valid, result.failures
+    assert {check.graph for check in result.checks} == {"forward", "decode"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--noop-experts", "2", "--experts", "4"], "--noop-experts is an option of --router integrated"),
+    (["--router", "integrated", "--experts", "4"], "--router integrated (integrated MoDE) needs --experts >= 1"),
+    (["--router", "integrated", "--noop-experts", "1"], "needs --experts >= 1 and --noop-experts >= 1"),
+    (["--experts", "4", "--expert-top-k", "5"], "--expert-top-k must be in 1..4"),
+    (["--experts", "-1"], "--experts must be >= 0"),
+    (["--experts", "4", "--expert-capacity-factor", "0"], "--expert-capacity-factor must be positive"),
+    (["--experts", "4", "--expert-aux-weight", "-1"], "--expert-aux-weight must be >= 0"),
+])
+def test_bad_expert_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
+    result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_kind_names_each_family():
+    assert ModelConfig(route_every=0).kind == "dense"
+    assert ModelConfig().kind == "MoD topk, c=0.125"
+    assert ModelConfig(experts=4).kind == "staged MoDE (MoD topk, c=0.125, E=4, top-1)"

@@ -1,0 +1,216 @@
+"""`modcli import`: tiny random Llama, Mistral and Qwen2 models made offline with `transformers` (a test-only
+dependency) give the same logits and greedy tokens in modcli; bad folders exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from modcli.cli import app
+from tests.conftest import make_corpus_text
+
+transformers = pytest.importorskip("transformers")
+
+ARCHITECTURES = {
+    # GQA, untied head, Llama-3 RoPE scaling, an explicit head_dim that is not d_model / heads
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=24, rope_theta=50000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    # GQA, q/k/v biases, tied embeddings
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # GQA, no sliding window in use
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+}
+ATOL = 1e-4
+
+
+def make_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([make_corpus_text(100)], trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def hf_model(request, tmp_path_factory):
+    """(architecture name, folder, the transformers model in float32 eval mode)."""
+    config_name, model_name, extra = ARCHITECTURES[request.param]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **extra)
+    model = getattr(transformers, model_name)(config).eval()
+    folder = tmp_path_factory.mktemp("hf") / request.param
+    model.save_pretrained(folder)
+    make_tokenizer(folder)
+    return request.param, folder, model
+
+
+def import_run(folder: Path, out: Path, *extra: str):
+    return CliRunner().invoke(app, ["import", str(folder), "--out", str(out), *extra])
+
+
+def test_imported_model_has_the_same_logits_and_greedy_tokens(hf_model, tmp_path):
+    from modcli.checkpoint.store import load_model_from
+    from modcli.decode.generation import GenerateConfig, generate
+
+    name, folder, reference = hf_model
+    result = import_run(folder, tmp_path / "run", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["architecture"] == reference.config.architectures[0] and summary["vocab_size"] == 320
+    model, run_config, _ = load_model_from(tmp_path / "run")
+    assert run_config.model.kv_heads == 2 and run_config.model.dense
+    assert model.num_parameters() == sum(p.numel() for p in reference.parameters())
+
+    tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens).logits, atol=ATOL, rtol=0)
+
+    prompt = "def f_3(x):\n    return"
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(prompt).ids
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+    got = generate(GenerateConfig(checkpoint=str(tmp_path / "run"), prompts=[prompt], max_new_tokens=12,
+                                  temperature=0, device="cpu"))
+    assert got.tokens == [want]
+
+
+def test_the_imported_run_works_with_generate_and_profile(hf_model, tmp_path):
+    name, folder, _ = hf_model
+    assert import_run(folder, tmp_path / "run").exit_code == 0
+    runner = CliRunner()
+    result = runner.invoke(app, ["generate", str(tmp_path / "run"), "--prompt", "def f", "--max-new-tokens", "5",
+                                 "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("def f")
+    result = runner.invoke(app, ["profile", str(tmp_path / "run"), "--compare", "none", "--seq-len", "16",
+                                 "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--no-memory",
+                                 "--measure", "forward,decode", "--decode-tokens", "2", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_corpus_text(1500))
+    result = runner.invoke(app, ["eval", str(tmp_path / "run"), "--data", str(corpus), "--batches", "2",
+                                 "--batch-size", "2", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert "tokenized with tokenizer.json" in report["corpus"] and report["results"][0]["routing"] == "dense"
+
+
+def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_path):
+    name, folder, _ = hf_model
+    if name != "qwen2":
+        pytest.skip("one architecture is enough for the folder checks")
+    cases = []
+
+    def case(label: str, edit, message: str) -> None:
+        broken = tmp_path / label
+        shutil.copytree(folder, broken)
+        edit(broken)
+        cases.append((broken, message))
+
+    def set_config(key, value):
+        def edit(broken: Path) -> None:
+            config = json.loads((broken / "config.json").read_text())
+            config[key] = value
+            (broken / "config.json").write_text(json.dumps(config))
+        return edit
+
+    def drop_tensor(broken: Path) -> None:
+        tensors = load_file(broken / "model.safetensors")
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        save_file(tensors, broken / "model.safetensors")
+
+    def pickle_only(broken: Path) -> None:
+        (broken / "model.safetensors").rename(broken / "pytorch_model.bin")
+
+    case("gpt2", set_config("architectures", ["GPT2LMHeadModel"]),
+         "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, MistralForCausalLM, "
+         "Qwen2ForCausalLM")
+    case("missing", drop_tensor, "tensor model.layers.1.mlp.up_proj.weight is missing from model.safetensors")
+    case("pickle", pickle_only, "only pickle weights (pytorch_model.bin)")
+    case("window", lambda b: (set_config("use_sliding_window", True)(b), set_config("sliding_window", 8)(b)),
+         "sliding-window attention (window 8) is not supported")
+    case("shape", set_config("intermediate_size", 80), "tensor for blocks.0.mlp.gate_up.weight has shape (192, 64)")
+    case("notok", lambda b: (b / "tokenizer.json").unlink(), "no tokenizer.json")
+    for broken, message in cases:
+        out = tmp_path / f"out-{broken.name}"
+        result = import_run(broken, out)
+        assert result.exit_code == 2, (broken.name, result.output)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert not out.exists()
+    result = import_run(tmp_path / "nowhere", tmp_path / "out")
+    assert result.exit_code == 2 and "no such model folder" in result.stderr
+    assert import_run(folder, tmp_path / "twice").exit_code == 0
+    result = import_run(folder, tmp_path / "twice")
+    assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
+
+
+def test_router_tuning_converts_a_frozen_imported_model(hf_model, tmp_path):
+    """`--init-from` an imported dense model with a threshold router, training only the routers: the base weights do
+    not move, every command works on the result, and the summary shows the original's loss beside."""
+    from modcli.checkpoint.store import resolve_checkpoint
+
+    name, folder, _ = hf_model
+    if name != "qwen2":
+        pytest.skip("one architecture is enough for the conversion")
+    assert import_run(folder, tmp_path / "dense").exit_code == 0
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_corpus_text(1500))
+    runner = CliRunner()
+    common = ["train", "--init-from", str(tmp_path / "dense"), "--data", str(corpus), "--seq-len", "64",
+              "--batch-size", "2", "--max-steps", "6", "--eval-every", "3", "--eval-batches", "1", "--warmup", "1",
+              "--device", "cpu"]
+    result = runner.invoke(app, [*common, "--router", "threshold", "--capacity", "0.5", "--trainable", "routers",
+                                 "--out", str(tmp_path / "mod"), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["router"] == "threshold" and summary["init_val_loss"] > 0
+    before = load_file(resolve_checkpoint(tmp_path / "dense") / "model.safetensors")
+    after = load_file(resolve_checkpoint(tmp_path / "mod") / "model.safetensors")
+    routers = [key for key in after if ".router." in key]
+    assert routers and all(key not in before for key in routers)
+    for key, tensor in before.items():  # frozen: bit for bit the imported weights
+        assert torch.equal(after[key], tensor), key
+    assert (tmp_path / "mod" / "tokenizer.json").is_file()
+
+    for args in (["eval", str(tmp_path / "mod"), "--data", str(corpus), "--batches", "1", "--batch-size", "2"],
+                 ["generate", str(tmp_path / "mod"), "--prompt", "def f", "--max-new-tokens", "4"],
+                 ["profile", str(tmp_path / "mod"), "--compare", str(tmp_path / "dense"), "--seq-len", "16",
+                  "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--no-memory", "--decode-tokens", "2"]):
+        result = runner.invoke(app, [*args, "--device", "cpu"])
+        assert result.exit_code == 0, (args[0], result.output)
+
+    result = runner.invoke(app, [*common, "--d-model", "32", "--out", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "--init-from: --d-model is 32 but" in result.stderr
+    assert not (tmp_path / "bad").exists()
+    result = runner.invoke(app, [*common, "--trainable", "everything", "--out", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "--trainable must be one of all, routers, routers+norms" in result.stderr
+    # Export: the bundle carries the tokenizer and the PyTorch-free runtime generates what modcli generate does.
+    from modcli_runtime import load_bundle
+
+    from modcli.bundle.writer import ExportConfig, export
+    from modcli.decode.generation import GenerateConfig, generate
+
+    bundle = tmp_path / "bundle"
+    exported = export(ExportConfig(checkpoint=str(tmp_path / "mod"), out=str(bundle), provider="cpu", decode_steps=4))
+    assert exported.valid, exported.failures
+    assert (bundle / "tokenizer.json").is_file()
+    want = generate(GenerateConfig(checkpoint=str(tmp_path / "mod"), prompts=["def f_1(x):"], max_new_tokens=8,
+                                   temperature=0, device="cpu"))
+    got = load_bundle(bundle).generate(["def f_1(x):"], max_new_tokens=8, temperature=0)
+    assert got.tokens == want.tokens and got.texts == want.texts

@@ -1,0 +1,335 @@
+"""`modcli sweep`, `modcli plot` and `modcli routes` on tiny grids: run folders, results.jsonl, real PNGs, resuming
+trains nothing twice, bad grids exit 2 before any training, routing maps hold every token once per block."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from modcli.cli import app
+from modcli.models.routing.registry import ROUTERS
+from tests.conftest import tiny_model_config
+
+PNG = b"\x89PNG\r\n\x1a\n"
+BUDGET = 2.5e8
+"""About 4 steps of the dense d32-L2 model at batch 4 x 64 tokens (6 for the MoD one)."""
+
+
+def write_grid(path: Path, corpus: Path, budgets: str = f"[{BUDGET}]", common: str = "", size: str = "",
+               variants: str = '[[variant]]\ndense = true\n[[variant]]\nrouter = "topk"\n', extra: str = "") -> Path:
+    path.write_text(f"""{extra}
+budgets = {budgets}
+
+[common]
+data = "{corpus}"
+d_model = 32
+n_layers = 2
+n_heads = 2
+seq_len = 64
+batch_size = 4
+capacity = 0.25
+predictor_hidden = 16
+warmup = 1
+eval_every = 2
+eval_batches = 1
+device = "cpu"
+{common}
+
+[[size]]
+{size}
+
+{variants}
+
+[eval]
+batches = 2
+batch_size = 4
+
+[profile]
+batch_size = 2
+repeats = 1
+warmup = 0
+decode_tokens = 2
+""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, corpus_file) -> tuple[Path, dict]:
+    """A finished 2-point sweep (dense and topk), profiled."""
+    root = tmp_path_factory.mktemp("sweep")
+    grid = write_grid(root / "grid.toml", corpus_file)
+    result = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(root / "out"), "--profile", "--json"])
+    assert result.exit_code == 0, result.output
+    return root / "out", json.loads(result.stdout)
+
+
+def test_sweep_writes_runs_results_and_plots(swept):
+    out, summary = swept
+    names = [r["name"] for r in summary["runs"]]
+    assert names == ["2.5e8_d32-L2_dense", "2.5e8_d32-L2_topk"]
+    assert summary["trained"] == names and summary["skipped"] == []
+    for name in names:
+        run = out / "runs" / name
+        assert (run / "metrics.jsonl").is_file() and any((p / "COMPLETE").is_file() for p in run.glob("step-*"))
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in records] == names
+    dense, mod = records
+    for record in records:
+        for key in ("budget", "size", "variant", "config", "parameters", "steps", "flops", "train_loss", "causal_loss",
+                    "causal_mode", "losses", "latency", "train_wall_s"):
+            assert key in record, key
+        assert record["flops"] >= BUDGET and record["flops"] < BUDGET + record["step_flops"]
+        assert record["config"]["train"]["flops_budget"] == BUDGET
+    assert dense["causal_mode"] == "dense" and dense["reference_loss"] is None and dense["latency"]["forward_ratio"] == 1
+    assert mod["causal_mode"] == "router" and mod["reference_mode"] == "topk"
+    assert {m: v["causal"] for m, v in mod["losses"].items()} == {"topk": False, "router": True, "predictor": True}
+    assert mod["steps"] > dense["steps"]  # the same budget pays for more MoD steps
+    for key in ("forward_ratio", "decode_ratio", "forward_ms", "dense_forward_ms", "decode_ms"):
+        assert mod["latency"][key] > 0
+    assert summary["best"]["2.5e8"]["overall"]["name"] in names
+    for plot in ("isoflop.png", "frontier.png"):
+        data = (out / plot).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5_000
+        assert summary["plots"][plot.removesuffix(".png")] == str(out / plot)
+
+
+def test_sweep_table_and_a_finished_sweep_trains_nothing(swept, tmp_path):
+    out, _ = swept
+    result = CliRunner().invoke(app, ["sweep", str(out / "grid.toml"), "--out", str(out), "--profile"])
+    assert result.exit_code == 0, result.output
+    words = " ".join(result.stdout.split())
+    assert "0 trained now, 2 already done" in words and "budget 2.5e8: best MoD" in words
+
+
+def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, corpus_file, monkeypatch):
+    import modcli.training.loop
+    from modcli.sweep.runner import SweepConfig, sweep
+
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    out = tmp_path / "out"
+    real_save = modcli.training.loop.save_checkpoint
+    saved: list[tuple[str, int]] = []
+
+    def interrupt_after_first_mod_checkpoint(run_dir, step, *args, **kwargs):
+        path = real_save(run_dir, step, *args, **kwargs)
+        saved.append((Path(run_dir).name, step))
+        if Path(run_dir).name.endswith("topk") and step == 2:
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(modcli.training.loop, "save_checkpoint", interrupt_after_first_mod_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        sweep(SweepConfig(grid=str(grid), out=str(out)), quiet=True)
+    assert [json.loads(line)["name"] for line in (out / "results.jsonl").read_text().splitlines()] == \
+        ["2.5e8_d32-L2_dense"]
+    assert saved == [("2.5e8_d32-L2_dense", 2), ("2.5e8_d32-L2_dense", 4), ("2.5e8_d32-L2_topk", 2)]
+
+    saved.clear()
+    result = sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
+    assert result.skipped == ["2.5e8_d32-L2_dense"] and result.trained == ["2.5e8_d32-L2_topk"]
+    assert saved == [("2.5e8_d32-L2_topk", 4), ("2.5e8_d32-L2_topk", 6)]  # from step 2 on, the dense run untouched
+    steps = [json.loads(line)["step"] for line in (out / "runs" / "2.5e8_d32-L2_topk" / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+    # Trained but not recorded (interrupted during evaluation): evaluated again, not trained.
+    losses = {r["name"]: r["causal_loss"] for r in result.runs}
+    (out / "results.jsonl").unlink()
+    saved.clear()
+    again = sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
+    assert saved == [] and again.trained == []
+    assert {r["name"]: r["causal_loss"] for r in again.runs} == pytest.approx(losses)
+
+
+def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path, corpus_file, monkeypatch):
+    import modcli.training.loop
+    from modcli.errors import TrainingDiverged
+
+    real_train = modcli.training.loop.train
+
+    def diverge_mod_runs(config, quiet=False):
+        if not config.model.dense:
+            raise TrainingDiverged("training diverged: the loss became nan at step 3")
+        return real_train(config, quiet)
+
+    monkeypatch.setattr(modcli.training.loop, "train", diverge_mod_runs)
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    result = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "diverged" in result.stdout and "loss became nan at step 3" in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert records[1]["diverged"] and records[1]["causal_loss"] is None and records[0]["causal_loss"] > 0
+    assert (tmp_path / "out" / "isoflop.png").is_file()
+
+
+BAD_GRIDS = [
+    (dict(extra='colour = "red"'), "unknown key(s) 'colour'"),
+    (dict(variants='[[variant]]\nroutr = "topk"\n'), "unknown key 'routr'"),
+    (dict(common="max_steps = 10"), "'max_steps' is set by the sweep"),
+    (dict(budgets="[1e6]"), "pays for no training step"),
+    (dict(size="d_model = 30\nn_heads = 4"), "must be divisible by --n-heads"),
+    (dict(variants='[[variant]]\nrouter = "topk"\ncapacity = [0.5, 1.5]\n'), "--capacity must be in (0, 1], got 1.5"),
+    (dict(variants='[[variant]]\nrouter = "nope"\n'), "--router must be one of"),
+    (dict(extra="preset = 3"), "preset must be a preset name"),
+]
+
+
+@pytest.mark.parametrize(("grid", "message"), BAD_GRIDS, ids=[m for _, m in BAD_GRIDS])
+def test_a_bad_grid_exits_2_before_any_training(tmp_path, corpus_file, grid, message):
+    path = write_grid(tmp_path / "grid.toml", corpus_file, **grid)
+    result = CliRunner().invoke(app, ["sweep", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_grid_and_missing_corpus_exit_2(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["sweep", str(tmp_path / "none.toml"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "no such grid file" in result.stderr
+    grid = write_grid(tmp_path / "grid.toml", tmp_path / "missing.txt")
+    result = runner.invoke(app, ["sweep", str(grid), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "missing.txt" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_plot_draws_training_curves_of_several_runs(swept, tmp_path):
+    out, _ = swept
+    runs = sorted(str(p) for p in (out / "runs").iterdir())
+    result = CliRunner().invoke(app, ["plot", *runs, "--out", str(tmp_path / "curves.png"), "--json"])
+    assert result.exit_code == 0, result.output
+    drawn = json.loads(result.stdout)["runs"]
+    assert set(drawn) == {"2.5e8_d32-L2_dense", "2.5e8_d32-L2_topk"} and drawn["2.5e8_d32-L2_topk"]["steps"] == 6
+    assert (tmp_path / "curves.png").read_bytes().startswith(PNG)
+    result = CliRunner().invoke(app, ["plot", str(tmp_path / "nothing"), "--out", str(tmp_path / "c.png")])
+    assert result.exit_code == 2 and "no such run folder" in result.stderr
+
+
+class _Spans(HTMLParser):
+    """Per routed block of a routes page: the index and text of every token span."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: dict[str, list[tuple[int, str]]] = {}
+        self.block = None
+        self.token = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "section":
+            self.block = attrs["data-layer"]
+            self.blocks[self.block] = []
+        elif tag == "span" and "data-i" in attrs:
+            self.token = int(attrs["data-i"])
+            self.blocks[self.block].append((self.token, ""))
+
+    def handle_endtag(self, tag):
+        if tag == "span":
+            self.token = None
+
+    def handle_data(self, data):
+        if self.token is not None:
+            index, text = self.blocks[self.block][-1]
+            self.blocks[self.block][-1] = (index, text + data)
+
+
+def _check_page(page: str, n_tokens: int, text: str, layers: list[int]) -> None:
+    parser = _Spans()
+    parser.feed(page)
+    assert list(parser.blocks) == [str(layer) for layer in layers]
+    for spans in parser.blocks.values():
+        assert [i for i, _ in spans] == list(range(n_tokens))  # every token once per block
+        assert "".join(piece for _, piece in spans) == text
+    assert "http://" not in page and "https://" not in page and "<link" not in page  # self-contained
+
+
+def test_routes_html_and_png_of_a_trained_run(swept, tmp_path):
+    out, _ = swept
+    run = out / "runs" / "2.5e8_d32-L2_topk"
+    text = 'def f(x):\n    """Return <x> & its café."""\n    return x * 2\n' * 2  # > seq_len bytes: two windows
+    (tmp_path / "text.py").write_text(text)
+    runner = CliRunner()
+    result = runner.invoke(app, ["routes", str(run), "--text", str(tmp_path / "text.py"), "--out",
+                                 str(tmp_path / "routes.html"), "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    routes = json.loads(result.stdout)
+    n = len(text.encode())
+    assert routes["modes"] == ["topk", "router", "predictor"] and routes["reference_mode"] == "topk"
+    block = routes["blocks"][0]
+    assert len(block["processed"]["topk"]) == n and len(block["probability"]["router"]) == n
+    assert sum(block["processed"]["topk"]) == 16 + int(0.25 * (n - 64))  # k per window of 64 tokens
+    for mode in ("router", "predictor"):
+        decided = [p > 0.5 for p in block["probability"][mode]]
+        assert decided == block["processed"][mode]
+    _check_page((tmp_path / "routes.html").read_text(), n, text, [1])
+    result = runner.invoke(app, ["routes", str(run), "--text", str(tmp_path / "text.py"), "--out",
+                                 str(tmp_path / "routes.png"), "--max-tokens", "40"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "routes.png").read_bytes().startswith(PNG)
+    for args, message in ((["--out", str(tmp_path / "r.txt")], "--out must end in .html or .png"),
+                          (["--text", str(tmp_path / "none.txt")], "--text: no such file")):
+        full = ["routes", str(run), "--text", str(tmp_path / "text.py"), *args]
+        result = runner.invoke(app, full)
+        assert result.exit_code == 2 and message in result.stderr, result.output
+    result = runner.invoke(app, ["routes", str(out / "runs" / "2.5e8_d32-L2_dense"), "--text", str(tmp_path / "text.py")])
+    assert result.exit_code == 2 and "dense model" in result.stderr
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_routes_work_for_every_router_kind(router):
+    from modcli.data.tokenizer import ByteTokenizer
+    from modcli.models.decoder import MoDDecoder
+    from modcli.reports.route_map import render_html, route_tokens, token_pieces
+
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config(router=router)).eval()
+    text = "    if x == 1:\n        return 'é'\n" * 2  # 70 bytes: windows of 32, 32 and 6
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(text)
+    pieces = token_pieces(tokenizer, text, ids)
+    routes = route_tokens(model, ids, pieces)
+    assert [b.layer for b in routes.blocks] == [1, 3]
+    for block in routes.blocks:
+        for mode in routes.modes:
+            assert len(block.processed[mode]) == len(ids)
+        for mode in routes.causal_modes:
+            assert [p > 0.5 for p in block.probability[mode]] == block.processed[mode]
+    _check_page(render_html(routes), len(ids), text, [1, 3])
+
+
+def test_routes_with_a_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from modcli.data.tokenizer import JsonTokenizer
+    from modcli.models.decoder import MoDDecoder
+    from modcli.reports.route_map import render_html, route_tokens, token_pieces
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    lines = [f"def f_{i}(x):\n    return x * {i}  # naïve\n" for i in range(50)]
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = JsonTokenizer(tmp_path / "tokenizer.json")
+    text = "def f_7(x):\n    return x * 7  # naïve\n"
+    ids = tokenizer.encode(text)
+    pieces = token_pieces(tokenizer, text, ids)
+    assert "".join(pieces) == text and len(pieces) == len(ids) < len(text)
+    torch.manual_seed(0)
+    routes = route_tokens(MoDDecoder(tiny_model_config(vocab_size=320)).eval(), ids, pieces, tokenizer=tokenizer.name)
+    _check_page(render_html(routes), len(ids), text, [1, 3])
+
+
+def test_a_run_saved_before_a_config_field_existed_is_still_the_same_point():
+    from modcli.config import RunConfig
+    from modcli.sweep.runner import comparable
+
+    saved = RunConfig().to_dict()
+    del saved["model"]["dropout"]  # as written by a modcli without that field; loading gives its default
+    saved["train"]["out"] = "elsewhere"
+    assert comparable(saved) == comparable(RunConfig().to_dict())
+    saved["train"]["lr"] = 1.0
+    assert comparable(saved) != comparable(RunConfig().to_dict())
