@@ -54,7 +54,7 @@ from modcli.models.decoder import MoDDecoder
 from modcli.models.families import model_class
 from modcli.models.flops import counted_flops, flops, training_flops
 from modcli.reports.console import stderr_console
-from modcli.training.objective import early_exit_losses, expert_losses, lm_loss, routing_losses
+from modcli.training.objective import training_loss
 
 MEASUREMENTS = ("forward", "train", "decode")
 BACKENDS = ("eager", "compiled", "onnxruntime")
@@ -473,12 +473,7 @@ def train_call(model: MoDDecoder, step_model, tokens: torch.Tensor, device: torc
         _sync(device)
         start = time.perf_counter()
         with autocast(device, dtype):
-            logits, records = step_model(tokens, return_records=True)  # the router's training mode
-            loss = lm_loss(logits, targets)
-            router_aux, predictor_aux = routing_losses(records)
-            total = (loss + train_config.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
-                     + train_config.expert_aux_weight * expert_losses(step_model)[0].to(device)
-                     + early_exit_losses(step_model, targets)[0].to(device))
+            total = training_loss(step_model, tokens, targets, train_config).total  # the router's training mode
         scaler.scale(total).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
@@ -704,11 +699,7 @@ def _forward_backward(model: MoDDecoder, tokens: torch.Tensor, device: torch.dev
     """The FLOP-bearing part of a training step (`train_call`): forward with the auxiliary losses, backward."""
     model.train()
     with autocast(device, dtype):
-        logits, records = model(tokens, return_records=True)
-        router_aux, predictor_aux = routing_losses(records)
-        targets = tokens.roll(-1, dims=1)
-        total = (lm_loss(logits, targets) + router_aux.to(device) + predictor_aux.to(device)
-                 + expert_losses(model)[0].to(device) + early_exit_losses(model, targets)[0].to(device))
+        total = training_loss(model, tokens, tokens.roll(-1, dims=1), TrainConfig()).total
     total.backward()
 
 

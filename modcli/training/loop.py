@@ -49,7 +49,7 @@ from modcli.models.flops import training_flops
 from modcli.reports.console import MetricsLog, StepProgress, stderr_console
 from modcli.training import distributed
 from modcli.training.distributed import DistributedContext
-from modcli.training.objective import bits_per_byte, early_exit_losses, expert_losses, lm_loss, routing_agreement, routing_losses
+from modcli.training.objective import bits_per_byte, lm_loss, routing_agreement, training_loss
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 NAN_AT_STEP_ENV = "MODCLI_TEST_NAN_AT_STEP"
@@ -542,15 +542,10 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                 distributed.gradient_sync(run.wrapped, micro == tc.grad_accum - 1)
                 inputs, targets = (t.to(device, non_blocking=True) for t in run.sampler.next())
                 with autocast(device, tc.dtype):
-                    logits, records = forward(inputs, train_mode, return_records=True, capacity=capacity)
-                    loss = lm_loss(logits, targets)
+                    objective = training_loss(forward, inputs, targets, tc, train_mode, capacity)
+                    total, loss = objective.total, objective.lm
                     if nan_at_step == run.step + 1:
-                        loss = loss * float("nan")
-                    router_aux, predictor_aux = routing_losses(records)
-                    expert_aux, expert_stats = expert_losses(run.wrapped)
-                    exit_aux, exit_stats = early_exit_losses(run.wrapped, targets)
-                    total = (loss + tc.router_aux_weight * router_aux.to(device) + predictor_aux.to(device)
-                             + tc.expert_aux_weight * expert_aux.to(device) + exit_aux.to(device))
+                        total, loss = total * float("nan"), loss * float("nan")
                 scaler.scale(total / tc.grad_accum).backward()
                 loss_sum += loss.detach()
             train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
@@ -586,21 +581,15 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                       "tokens": run.tokens, "flops": run.flops,
                       "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                       "tokens_per_s": session_tokens / max(train_time, 1e-9)}
-            if records:
-                record["router_aux_loss"] = router_aux.item()
-                record["predictor_loss"] = predictor_aux.item()
-                if tc.capacity_warmup:
-                    record["capacity"] = capacity
-                if run.step % tc.log_every == 0 or last_step:
-                    record["routing"] = routing_agreement(records)
-            if expert_stats is not None:
-                record["expert_aux_loss"] = expert_aux.item()
-                if run.step % tc.log_every == 0 or last_step:
-                    record["experts"] = expert_stats()
-            if exit_stats is not None:
-                record["exit_loss"] = exit_aux.item()
-                if run.step % tc.log_every == 0 or last_step:
-                    record["exit_losses"] = exit_stats()
+            for name, term in objective.terms.items():
+                record[name] = term.item()
+            if objective.records and tc.capacity_warmup:
+                record["capacity"] = capacity
+            if run.step % tc.log_every == 0 or last_step:
+                if objective.records:
+                    record["routing"] = routing_agreement(objective.records)
+                for name, read in objective.readers.items():
+                    record[name] = read()
             if evaluate_now:
                 validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from modcli.config import TrainConfig
 from modcli.models.routing.base import RoutingRecord
 
 
@@ -89,3 +91,47 @@ def expert_losses(model) -> tuple[Tensor, Callable[[], dict[str, dict]] | None]:
                                   "load": [round(x, 4) for x in stats.load.tolist()]} for layer, stats in blocks}
 
     return aux, read
+
+
+@dataclass
+class Objective:
+    """One training forward's loss: `total` is what backward runs on; the rest is for metrics."""
+
+    total: Tensor
+    lm: Tensor
+    """The next-token cross-entropy alone (nats, the number `modcli train` reports as its loss)."""
+    terms: dict[str, Tensor]
+    """Each auxiliary loss by its metrics name, before its weight."""
+    weights: dict[str, float]
+    """The weight each term is added to `total` with."""
+    records: list[RoutingRecord]
+    """The routed blocks' records of this forward (routing statistics)."""
+    readers: dict[str, Callable[[], dict]]
+    """Per-block statistics to read for metrics (each read costs one device sync)."""
+
+
+def training_loss(model, tokens: Tensor, targets: Tensor, train: TrainConfig, routing: str | None = None,
+                  capacity: float | None = None) -> Objective:
+    """The one training objective: a training-mode forward of `model` (or its DDP / compiled wrapper) on tokens
+    (B, T), its LM loss against targets (B, T), plus every auxiliary loss the model's family declares at its
+    configured weight. `modcli train` and `modcli profile`'s training step both call this."""
+    logits, records = model(tokens, routing, return_records=True, capacity=capacity)
+    lm = lm_loss(logits, targets)
+    router_aux, predictor_aux = routing_losses(records)
+    expert_aux, expert_stats = expert_losses(model)
+    exit_aux, exit_stats = early_exit_losses(model, targets)
+    device = lm.device
+    terms, weights, readers = {}, {}, {}
+    if records:
+        terms["router_aux_loss"], weights["router_aux_loss"] = router_aux.to(device), train.router_aux_weight
+        terms["predictor_loss"], weights["predictor_loss"] = predictor_aux.to(device), 1.0
+    if expert_stats is not None:
+        terms["expert_aux_loss"], weights["expert_aux_loss"] = expert_aux.to(device), train.expert_aux_weight
+        readers["experts"] = expert_stats
+    if exit_stats is not None:
+        terms["exit_loss"], weights["exit_loss"] = exit_aux.to(device), 1.0
+        readers["exit_losses"] = exit_stats
+    total = lm
+    for name, term in terms.items():
+        total = total + weights[name] * term
+    return Objective(total, lm, terms, weights, records, readers)

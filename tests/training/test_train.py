@@ -256,9 +256,9 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path, c
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, corpus_file, monkeypatch):
-    import modcli.training.loop as train_module
+    import modcli.training.objective as objective_module
 
-    real_loss = train_module.lm_loss
+    real_loss = objective_module.lm_loss
     calls = {"n": 0}
 
     def loss_that_explodes(logits, targets):
@@ -266,7 +266,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, co
         loss = real_loss(logits, targets)
         return loss * float("nan") if calls["n"] == 13 else loss
 
-    monkeypatch.setattr(train_module, "lm_loss", loss_that_explodes)
+    monkeypatch.setattr(objective_module, "lm_loss", loss_that_explodes)
     out = tmp_path / "run"
     with pytest.raises(TrainingDiverged, match="step 13.*step-00000010"):
         train(tiny_run_config(corpus_file, out, max_steps=20, eval_every=10), quiet=True)
