@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 
 def enable_data_dependent_sizes() -> None:
     """Let a `.item()` inside a compiled region become a symbolic size (the causal prefill's selected count)."""
-    import torch._dynamo
 
     torch._dynamo.config.capture_scalar_outputs = True
 
@@ -52,7 +53,6 @@ class CompileStats:
 
 def graph_break_counts() -> Counter:
     """torch._dynamo's graph-break counter now, by reason (subtract an earlier reading to get the new ones)."""
-    from torch._dynamo.utils import counters
 
     return Counter(dict(counters["graph_break"]))
 

@@ -13,14 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from modcli.errors import UserError
-from modcli.models.families import ARCHITECTURES
-from modcli.models.routing.registry import ROUTERS
+from modcli.models.families import DEFAULT_FAMILY, FAMILIES, Family
+from modcli.models.routing.registry import ROUTER_KINDS
 
 ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
-INTEGRATED = "integrated"
-"""The router kind of integrated MoDE: not a token-selecting MoD router but no-op experts in the MoE MLP of the
-routed blocks (modcli.models.moe); every other kind is in modcli.models.routing.registry."""
-ROUTER_KINDS = (*ROUTERS, INTEGRATED)
 ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -160,42 +156,43 @@ class ModelConfig:
         require(self.noop_experts >= 0, f"--noop-experts must be >= 0, got {self.noop_experts}")
         require(self.expert_capacity_factor > 0,
                 f"--expert-capacity-factor must be positive, got {self.expert_capacity_factor}")
-        if self.router == INTEGRATED:
+        router = ROUTER_KINDS[self.router]
+        if router.uses_noop_experts:
             require(self.experts >= 1 and self.noop_experts >= 1,
-                    "--router integrated (integrated MoDE) needs --experts >= 1 and --noop-experts >= 1")
-        else:
-            require(self.noop_experts == 0, f"--noop-experts is an option of --router integrated, not of --router "
-                                            f"{self.router}")
+                    f"--router {self.router} (integrated MoDE) needs --experts >= 1 and --noop-experts >= 1")
         require(1 <= self.expert_top_k <= max(1, self.experts + self.noop_experts),
                 f"--expert-top-k must be in 1..{max(1, self.experts + self.noop_experts)} (the experts), "
                 f"got {self.expert_top_k}")
-        for option in ("threshold", "capacity_max"):
-            owner = next(kind for kind, spec in ROUTERS.items() if option in spec.options)
-            require(getattr(self, option) is None or self.router == owner,
-                    f"--{option.replace('_', '-')} is an option of --router {owner}, not of --router {self.router}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for owner in ROUTER_KINDS.values():
+            for option in owner.options:
+                require(owner is router or getattr(self, option) == defaults[option],
+                        f"--{option.replace('_', '-')} is an option of --router {owner.kind}, not of --router "
+                        f"{self.router}")
         require(self.threshold is None or 0.0 <= self.threshold < 1.0,
                 f"--threshold must be in [0, 1), got {self.threshold}")
         require(self.capacity_max is None or 0.0 < self.capacity_max <= 1.0,
                 f"--capacity-max must be in (0, 1], got {self.capacity_max}")
-        require(self.router not in ("random", "attention") or self.router_hidden == 0,
+        require(router.has_parameters or self.router_hidden == 0,
                 f"--router-hidden: the {self.router} router has no parameters")
-        if self.router == "attention" and self.route_every:
-            require(self.predictor_hidden > 0, "--router attention decodes with a predictor: --predictor-hidden must "
-                                               "be > 0")
+        if router.decodes_with_predictor and self.route_every:
+            require(self.predictor_hidden > 0, f"--router {self.router} decodes with a predictor: --predictor-hidden "
+                                               "must be > 0")
+        if router.reads_previous_attention and self.route_every:
             require(all(layer >= 1 and not self.is_routed(layer - 1) for layer in self.routed_layers()),
-                    "--router attention reads the attention maps of the block before each routed block, which must be "
-                    "dense: route no block 0 and no two blocks in a row (e.g. --route-every 2 --route-offset 1)")
+                    f"--router {self.router} reads the attention maps of the block before each routed block, which "
+                    "must be dense: route no block 0 and no two blocks in a row (e.g. --route-every 2 --route-offset "
+                    "1)")
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
 
     def _check_arch(self) -> None:
         """--arch and the options that belong to one family only; a family without MoD routers gets route_every 0
         (its default, 2, means "not given" there) and refuses the routing and expert flags it cannot honour."""
-        require(self.arch in ARCHITECTURES,
-                f"--arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
-        spec = ARCHITECTURES[self.arch]
+        require(self.arch in FAMILIES, f"--arch must be one of {', '.join(FAMILIES)}, got {self.arch!r}")
+        spec = self.family
         defaults = {f.name: f.default for f in fields(self)}
-        for other in ARCHITECTURES.values():
+        for other in FAMILIES.values():
             for option in other.options:
                 require(other is spec or option in spec.options or getattr(self, option) == defaults[option],
                         f"--{option.replace('_', '-')} is an option of --arch {other.name}, not of --arch {self.arch}")
@@ -210,27 +207,12 @@ class ModelConfig:
             for name in EXPERT_FIELDS:
                 require(getattr(self, name) == defaults[name],
                         f"--{name.replace('_', '-')}: --arch {self.arch} has dense MLPs (no experts)")
-        require(0.0 <= self.layer_dropout_max < 1.0,
-                f"--layer-dropout-max must be in [0, 1), got {self.layer_dropout_max}")
-        require(self.exit_loss_scale >= 0, f"--exit-loss-scale must be >= 0, got {self.exit_loss_scale}")
-        require(self.recursions >= 1, f"--recursions must be >= 1, got {self.recursions}")
-        if self.arch == "recursion":
-            require(self.n_layers >= 2 + self.recursions and (self.n_layers - 2) % self.recursions == 0,
-                    f"--n-layers ({self.n_layers}) must be 2 + --recursions ({self.recursions}) x the shared blocks "
-                    f"(unique first and last blocks), e.g. {2 + 2 * self.recursions}")
-            if self.recursion_capacities is not None:
-                caps = self.recursion_capacities
-                require(len(caps) == self.recursions,
-                        f"--recursion-capacities needs {self.recursions} values (one per recursion), got {len(caps)}")
-                require(all(0.0 < c <= 1.0 for c in caps) and all(a >= b for a, b in zip(caps, caps[1:], strict=False)),
-                        f"--recursion-capacities must be in (0, 1] and must not increase, got {caps}")
+        spec.validate(self)
 
-    def layer_dropout(self, layer: int) -> float:
-        """--arch early-exit: the probability that training skips block `layer` for a whole sequence (0 for every
-        other family): linear in depth, 0 for the first block and layer_dropout_max for the last."""
-        if "layer_dropout_max" not in ARCHITECTURES[self.arch].options or self.n_layers == 1:
-            return 0.0
-        return self.layer_dropout_max * layer / (self.n_layers - 1)
+    @property
+    def family(self) -> Family:
+        """The model family's spec (--arch): its routing layout, options, losses, decoding and export rules."""
+        return FAMILIES[self.arch]
 
     @property
     def head_dim(self) -> int:
@@ -253,66 +235,32 @@ class ModelConfig:
 
     @property
     def kind(self) -> str:
-        """What the model is, in words: dense, MoE, MoD, staged MoDE, integrated MoDE or early exit."""
-        if self.arch == "early-exit":
-            return f"early exit (layer dropout {self.layer_dropout_max:g}, exit loss {self.exit_loss_scale:g})"
-        if self.arch == "recursion":
-            shares = ",".join(f"{c:.2g}" for c in self.recursion_capacity_list())
-            return f"MoR ({self.recursions} x {self.recursion_layers} shared blocks, capacities {shares})"
-        if self.arch == "early-exit":
-            return f"early exit (LayerSkip, layer dropout {self.layer_dropout_max:g})"
-        moe = f"E={self.experts}, top-{self.expert_top_k}"
-        if self.router == INTEGRATED and self.noop_layers():
-            return f"integrated MoDE ({moe}, {self.noop_experts} no-op)"
-        if self.dense:
-            return f"MoE ({moe})" if self.experts else "dense"
-        mod = f"MoD {self.router}, c={self.capacity:g}"
-        return f"staged MoDE ({mod}, {moe})" if self.experts else mod
+        """What the model is, in words: dense, MoE, MoD, staged MoDE, integrated MoDE, early exit, MoR."""
+        return self.family.describe(self)
 
-    def _in_route_set(self, layer: int) -> bool:
+    def in_route_set(self, layer: int) -> bool:
+        """The layer is one that --route-every / --route-offset / --route-layers name."""
         if self.route_layers is not None:
             return layer in self.route_layers
         return self.route_every > 0 and layer % self.route_every == self.route_offset % self.route_every
 
     def is_routed(self, layer: int) -> bool:
-        """The block has a MoD router that picks which tokens it processes (integrated MoDE has none: its routed
-        blocks choose no-op experts in the MLP instead, see `noop_experts_of`). For --arch recursion, `layer` counts
-        the unrolled depth and every recursion step's layer processes only the tokens its router kept."""
-        if self.arch == "recursion":
-            return 0 < layer < self.n_layers - 1
-        return self.router != INTEGRATED and self._in_route_set(layer)
-
-    @property
-    def recursion_layers(self) -> int:
-        """--arch recursion: blocks in the shared stack."""
-        return (self.n_layers - 2) // self.recursions
-
-    def recursion_capacity_list(self) -> list[float]:
-        n = self.recursions
-        return list(self.recursion_capacities) if self.recursion_capacities else [(n - r) / n for r in range(n)]
-
-    def recursion_step_of(self, layer: int) -> int:
-        """--arch recursion: the recursion step an unrolled layer (1 .. n_layers - 2) belongs to."""
-        return (layer - 1) // self.recursion_layers
-
-    def recursion_tokens(self, step: int, seq_len: int) -> int:
-        """--arch recursion: k_r of step r in the full-sequence (top-k) mode, max(1, floor(c_r x T)) exactly."""
-        frac = Fraction(self.recursion_capacity_list()[step]).limit_denominator(1_000_000)
-        return max(1, seq_len * frac.numerator // frac.denominator)
+        """The block has a router that picks which tokens it processes (the family's rule; `layer` counts the
+        unrolled depth). Integrated MoDE has none: its routed blocks choose no-op experts in the MLP instead."""
+        return self.family.is_routed(self, layer)
 
     def router_count(self) -> int:
-        """Routers in the model: one per MoD-routed block, or one per recursion step (--arch recursion)."""
-        return self.recursions if self.arch == "recursion" else len(self.routed_layers())
+        """Routers in the model (one per MoD-routed block, or the family's count)."""
+        return self.family.router_count(self)
 
     def has_router_at(self, layer: int) -> bool:
-        """A router runs at this (unrolled) layer: a MoD-routed block, or the first layer of a recursion step."""
-        if self.arch == "recursion":
-            return self.is_routed(layer) and (layer - 1) % self.recursion_layers == 0
-        return self.is_routed(layer)
+        """A router runs at this (unrolled) layer."""
+        return self.family.has_router_at(self, layer)
 
     def noop_layers(self) -> list[int]:
         """Blocks whose MoE MLP has no-op experts (integrated MoDE: the --route-every / --route-layers blocks)."""
-        return [i for i in range(self.n_layers) if self.router == INTEGRATED and self._in_route_set(i)]
+        uses_noop = ROUTER_KINDS[self.router].uses_noop_experts
+        return [i for i in range(self.n_layers) if uses_noop and self.in_route_set(i)]
 
     def noop_experts_of(self, layer: int) -> int:
         return self.noop_experts if layer in self.noop_layers() else 0
@@ -345,11 +293,11 @@ class ModelConfig:
         """The same shape with routing switched off: no MoD router, no no-op experts; an MoE MLP stays an MoE MLP
         (`train --dense --experts 4` is MoE alone). Another family's twin is the plain MoD decoder without routing
         (early exit: the same blocks without layer dropout, exit loss or exit decoding)."""
-        router = "topk" if self.router == INTEGRATED else self.router
         defaults = {f.name: f.default for f in fields(self)}
-        family = {option: defaults[option] for spec in ARCHITECTURES.values() for option in spec.options}
-        return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0, arch="mod",
-                                   **family)
+        router = self.router if ROUTER_KINDS[self.router].selects_tokens else defaults["router"]
+        family = {option: defaults[option] for spec in FAMILIES.values() for option in spec.options}
+        return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0,
+                                   arch=DEFAULT_FAMILY, **family)
 
     def dense_mlp_twin(self) -> ModelConfig:
         """The fully dense model of the same shape: no routing and the dense SwiGLU MLP instead of experts."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import random
 
 import numpy as np
@@ -57,7 +59,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        import os
         return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     return device.type
 
@@ -81,13 +82,11 @@ def tune_cpu_allocator() -> str:
     or MALLOC_TOP_PAD_ are set (the user's or `modcli profile`'s memory children's choice) or without glibc.
     Returns what was set ("" if nothing)."""
     global ALLOCATOR_NOTE
-    import os
 
     if ALLOCATOR_NOTE or any(f"MALLOC_{name}_" in os.environ for name in ("MMAP_THRESHOLD", "TRIM_THRESHOLD",
                                                                             "TOP_PAD")):
         return ALLOCATOR_NOTE
     try:
-        import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers

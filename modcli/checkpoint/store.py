@@ -349,11 +349,11 @@ def check_fits_in_memory(config: ModelConfig, bytes_per_parameter: int = 4) -> N
 def build_model(config: ModelConfig) -> MoDDecoder:
     """A freshly initialised model of the config's family (--arch, modcli.models.families) on the CPU; one that cannot
     be allocated is a UserError, not a traceback."""
-    from modcli.models.families import model_class
+    from modcli.models.build import build_model as build
 
     check_fits_in_memory(config)
     try:
-        return model_class(config.arch)(config)
+        return build(config)
     except (MemoryError, torch.OutOfMemoryError) as exc:
         raise UserError(f"the model does not fit in memory ({_one_line(exc)})") from None
     except RuntimeError as exc:

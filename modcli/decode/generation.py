@@ -14,10 +14,12 @@ from torch import Tensor
 from modcli.checkpoint.store import load_model_from
 from modcli.config import require
 from modcli.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from modcli.decode.static import StaticDecoder
 from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES, autocast, resolve_device
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
+from modcli.models.early_exit import ExitStats, check_exit_decoding, speculative_decode
 from modcli.reports.console import stderr_console
 
 
@@ -174,8 +176,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
     model.check_routing(routing, causal=True)
     exits = config.exit_threshold is not None or config.speculative is not None
-    if exits:
-        from modcli.models.early_exit import ExitStats, check_exit_decoding, speculative_decode
+    if exits:  # the family's capability (modcli.models.families: exit_decoding), checked first
         check_exit_decoding(model, config.exit_threshold, config.speculative)
         stats = ExitStats(f"confidence (exit at top probability >= {config.exit_threshold:g})"
                           if config.exit_threshold is not None else "")
@@ -190,8 +191,6 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     spare = config.draft_tokens + 1 if config.speculative else 0  # a round's drafts may run past the last token
     static = None
     if config.compile:
-        from modcli.decode.static import StaticDecoder
-
         static = StaticDecoder(model, batch, max_tokens, routing, device, config.dtype, compile=True)
         cache = static.cache
     else:

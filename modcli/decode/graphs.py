@@ -71,7 +71,8 @@ class ForwardGraph(nn.Module):
             return (self.model(tokens),)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         k = capacity_from_length(positions, self.num, self.den)
-        logits, records = self.model(tokens, self.mode, return_records=True, k=k)
+        logits, aux = self.model(tokens, self.mode, return_aux=True, k=k)
+        records = aux.records
         return (logits, *(selected_positions(record.selection) for record in records))
 
 

@@ -31,7 +31,6 @@ from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
-from modcli.models.families import architecture
 
 
 class StaticDecodeStep(nn.Module):
@@ -68,7 +67,7 @@ class StaticDecoder:
 
     def __init__(self, model: MoDDecoder, batch: int, max_tokens: int, routing: str, device: torch.device,
                  dtype: str = "float32", compile: bool = True, branch_free: bool | None = None) -> None:
-        family = architecture(model.config.arch)
+        family = model.config.family
         if not family.exportable:
             raise UserError(f"--compile: static decoding uses the export's decode step, which --arch "
                             f"{model.config.arch} does not have ({family.export_note})")

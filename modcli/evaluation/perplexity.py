@@ -18,7 +18,6 @@ from modcli.config import DataConfig, require
 from modcli.data.corpus import evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
 from modcli.hardware import autocast, resolve_device
-from modcli.models.families import architecture
 from modcli.training.objective import bits_per_byte, lm_loss, routing_agreement
 
 
@@ -93,7 +92,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
     else:
         modes = list(config.routing) or list(model.routing_modes())
     caps = model.capabilities
-    exits = architecture(run_config.model.arch).exit_decoding
+    exits = run_config.model.family.exit_decoding
     exit_totals = [0.0] * run_config.model.n_layers
 
     totals = {mode: 0.0 for mode in modes}
@@ -105,7 +104,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
         n_batches += 1
         for mode in modes:
             with autocast(device, config.dtype):
-                logits, records = model(inputs, mode, return_records=True)
+                logits, aux = model(inputs, mode, return_aux=True)
+                records = aux.records
             totals[mode] += lm_loss(logits, targets).item()
             for record in records:
                 key = f"block{record.layer}"
@@ -113,7 +113,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
                 processed[mode][key] = processed[mode].get(key, 0.0) + fraction
             for layer in run_config.model.noop_layers():  # integrated MoDE: the share of choices that ran an expert
                 key = f"block{layer} mlp"
-                fraction = 1.0 - model.blocks[layer].mlp.stats.noop.item()
+                fraction = 1.0 - aux.experts[layer].noop.item()
                 processed[mode][key] = processed[mode].get(key, 0.0) + fraction
             if records and mode == model.training_mode:
                 _accumulate(agreement_sums, routing_agreement(records))

@@ -8,6 +8,7 @@ weight. Every other token leaves the block bit for bit unchanged, and costs no a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +18,25 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache, LayerKVCache
-from modcli.models.moe import MoEMLP
+from modcli.models.moe import ExpertStats, MoEMLP
 from modcli.models.routing.base import Router, RouterCapabilities, RoutingRecord
-from modcli.models.routing.registry import router_class
+from modcli.models.routing.registry import ROUTER_KINDS, router_class
 from modcli.models.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal
+
+
+@dataclass
+class ForwardAux:
+    """What a forward pass returns beside the logits (`return_aux=True`) for the training objective and metrics.
+    Each family fills the fields its declared auxiliary losses read (modcli.models.families: `aux_losses`)."""
+
+    records: list[RoutingRecord] = field(default_factory=list)
+    """Each routed block's (or recursion step's) RoutingRecord, in order."""
+    experts: dict[int, ExpertStats] = field(default_factory=dict)
+    """Each MoE block's statistics of this pass (load-balancing loss, load, dropped and no-op shares), by layer."""
+    exit_logits: Tensor | None = None
+    """(L-1, B, T, V): early exit's exits after blocks 0..L-2 in a training-mode pass; None otherwise."""
+    exit_weights: Tensor | None = None
+    """(L-1,): the weight of each exit's loss (early exit)."""
 
 
 def rope_tables(positions: Tensor, head_dim: int, base: float,
@@ -144,7 +160,7 @@ class Block(nn.Module):
         # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received,
         # in the router's full-sequence modes (its causal modes decide without them).
         self.feeds_router = (not self.routed and config.is_routed(layer + 1) and layer + 1 < config.n_layers
-                             and router_class(config.router).reads_previous_attention)
+                             and ROUTER_KINDS[config.router].reads_previous_attention)
         self.next_causal_modes = router_class(config.router).capabilities.causal_modes if self.feeds_router else ()
 
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
@@ -332,10 +348,11 @@ class MoDDecoder(nn.Module):
             why = f" ({routing} is not causal: it sees the future and cannot decode)"
         raise UserError(f"--routing {routing}: the {kind} router offers {', '.join(offered)}{why}")
 
-    def forward(self, tokens: Tensor, routing: str | None = None, *, return_records: bool = False,
+    def forward(self, tokens: Tensor, routing: str | None = None, *, return_aux: bool = False,
                 cache: DecoderCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
                 capacity: float | None = None, k: int | None = None):
-        """tokens (B, T) -> logits (B, T, V); with `return_records`, also each routed block's RoutingRecord.
+        """tokens (B, T) -> logits (B, T, V); with `return_aux`, (logits, ForwardAux): each routed block's
+        RoutingRecord and each MoE block's statistics.
 
         `routing`: one of `routing_modes()` (default the training mode), e.g. topk (training-time, non-causal),
         router or predictor (causal) for the topk router. With `cache` the K/V of the tokens each block processes
@@ -360,7 +377,7 @@ class MoDDecoder(nn.Module):
         previous_attention = None
         for layer, block in enumerate(self.blocks):
             layer_cache = cache.layers[layer] if cache is not None else None
-            x, out = block(x, cos, sin, routing, return_records, layer_cache, cache_rows, lengths, capacity, k,
+            x, out = block(x, cos, sin, routing, return_aux, layer_cache, cache_rows, lengths, capacity, k,
                            previous_attention)
             previous_attention = out if isinstance(out, Tensor) else None  # (B, T) for an A-MoD router next
             if isinstance(out, RoutingRecord):
@@ -368,7 +385,12 @@ class MoDDecoder(nn.Module):
         if cache is not None:
             cache.positions[cache_rows] = seq_len if lengths is None else lengths
         logits = self.head(self.norm(x))  # (B, T, V)
-        return (logits, records) if return_records else logits
+        return (logits, ForwardAux(records, self.expert_stats())) if return_aux else logits
+
+    def expert_stats(self) -> dict[int, ExpertStats]:
+        """The statistics each MoE block computed in the forward pass just run, by layer."""
+        return {layer: block.mlp.stats for layer, block in enumerate(self.blocks)
+                if isinstance(block.mlp, MoEMLP) and block.mlp.stats is not None}
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor, cache: DecoderCache, routing: str | None = None) -> Tensor:

@@ -11,9 +11,10 @@ Training
   unchanged (no 1 / (1 - p) rescaling, as in LayerSkip). Evaluation and decoding never drop.
 - Early-exit loss: the hidden state after every block but the last goes through the shared final norm and head;
   the loss is exit_loss_scale x sum_l w_l CE_l with w_l = (l + 1) / sum_j (j + 1) over blocks 0..L-2, rising
-  with depth like LayerSkip's scale, added to the final layer's loss at weight 1 (`modcli.training.objective.early_exit_losses`
-  reads the exit logits the forward stored). Every exit every step: with a byte vocabulary the head costs ~7% of a
-  block, so LayerSkip's rotational curriculum (for 32k-token heads) is not needed.
+  with depth like LayerSkip's scale, added to the final layer's loss at weight 1 (`modcli.training.objective`'s
+  "exits" loss, from the exit logits the forward returns in its ForwardAux). Every exit every step: with a byte
+  vocabulary the head costs ~7% of a block, so LayerSkip's rotational curriculum (for 32k-token heads) is not
+  needed.
 
 Decoding (`modcli generate`; the prompt is always prefilled at full depth)
 - Confidence exit (`--exit-threshold P`, CALM's softmax response): a token climbs the blocks and stops after the
@@ -43,8 +44,7 @@ from torch import Tensor
 from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
-from modcli.models.decoder import MoDDecoder, config_rope
-from modcli.models.families import architecture
+from modcli.models.decoder import ForwardAux, MoDDecoder, config_rope
 
 
 def exit_weights(config: ModelConfig) -> list[float]:
@@ -64,29 +64,28 @@ class EarlyExitDecoder(MoDDecoder):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.register_buffer("exit_loss_weights", torch.tensor(exit_weights(config)), persistent=False)  # (L-1,)
-        self.exit_logits: Tensor | None = None
-        """(L-1, B, T, V): the exits' logits of the last training-mode forward, for `losses.early_exit_losses`."""
 
     def kept_rows(self, layer: int, batch: int) -> Tensor | None:
         """Training: the batch rows that run block `layer` (layer dropout, drawn on the CPU); None = every row."""
-        p = self.config.layer_dropout(layer)
+        p = self.config.family.layer_dropout(self.config, layer)
         if not self.training or p == 0.0:
             return None
         keep = torch.rand(batch) >= p  # (B,) one coin per sequence
         return None if bool(keep.all()) else keep.nonzero().squeeze(1)
 
-    def forward(self, tokens: Tensor, routing: str | None = None, *, return_records: bool = False,
+    def forward(self, tokens: Tensor, routing: str | None = None, *, return_aux: bool = False,
                 cache: DecoderCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
                 capacity: float | None = None, k: int | None = None):
-        """tokens (B, T) -> logits (B, T, V) of the last block (and [] records with `return_records`: nothing is
-        routed). `cache`, `cache_rows`, `lengths` as in MoDDecoder.forward; `capacity` and `k` mean nothing here.
-        In training mode, blocks are dropped per row (never with a cache) and the exits' logits are stored."""
+        """tokens (B, T) -> logits (B, T, V) of the last block; with `return_aux`, (logits, ForwardAux) whose
+        exit_logits hold the exits of a training-mode pass (nothing is routed). `cache`, `cache_rows`, `lengths` as
+        in MoDDecoder.forward; `capacity` and `k` mean nothing here. In training mode, blocks are dropped per row
+        (never with a cache)."""
         self.check_routing(routing or self.training_mode)
         batch, seq_len = tokens.shape
         cos, sin = config_rope(self.config, torch.arange(seq_len, device=tokens.device))  # (T, hd/2)
         if cache is not None and cache_rows is None:
             cache_rows = torch.arange(batch, device=tokens.device)
-        want_exits = self.training and self.config.exit_loss_scale > 0
+        want_exits = return_aux and self.training and self.config.exit_loss_scale > 0
         x = self.embed(tokens)  # (B, T, D)
         exits = []
         for layer, block in enumerate(self.blocks):
@@ -100,11 +99,13 @@ class EarlyExitDecoder(MoDDecoder):
                 x = x.index_copy(0, keep, kept)
             if want_exits and layer < self.config.n_layers - 1:
                 exits.append(x)
-        self.exit_logits = self.head(self.norm(torch.stack(exits))) if exits else None  # (L-1, B, T, V)
         if cache is not None:
             cache.positions[cache_rows] = seq_len if lengths is None else lengths
         logits = self.head(self.norm(x))  # (B, T, V)
-        return (logits, []) if return_records else logits
+        if not return_aux:
+            return logits
+        exit_logits = self.head(self.norm(torch.stack(exits))) if exits else None  # (L-1, B, T, V)
+        return logits, ForwardAux(exit_logits=exit_logits, exit_weights=self.exit_loss_weights)
 
     @torch.no_grad()
     def exit_layer_logits(self, tokens: Tensor) -> Tensor:
@@ -222,7 +223,7 @@ class ExitStats:
 def check_exit_decoding(model: MoDDecoder, exit_threshold: float | None, speculative: int | None) -> None:
     """A UserError unless the model's family decodes with exits and E fits its depth."""
     flag = "--exit-threshold" if exit_threshold is not None else "--speculative"
-    if not architecture(model.config.arch).exit_decoding:
+    if not model.config.family.exit_decoding:
         raise UserError(f"{flag} needs an early-exit model (modcli train --arch early-exit); this one is "
                         f"{model.config.kind}")
     layers = model.config.n_layers

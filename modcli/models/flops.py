@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
 from modcli.config import ModelConfig
+from modcli.models.moe import expert_capacity
 from modcli.models.routing.registry import router_class
 
 
@@ -40,12 +44,8 @@ class FlopBreakdown:
 
 def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> tuple[int, int]:
     """(attention, MLP) tokens a block processes in a forward pass of `seq_len` tokens at the configured capacity
-    (--route-part decides which of the two a routed block restricts to its selected tokens)."""
-    if config.arch == "recursion":  # a recursion step's layers process the tokens its router kept
-        k = config.recursion_tokens(config.recursion_step_of(layer), seq_len) if config.is_routed(layer) else seq_len
-        return k, k
-    k = config.capacity_tokens(seq_len)
-    return (k if config.attention_is_routed(layer) else seq_len, k if config.mlp_is_routed(layer) else seq_len)
+    (the family's rule, modcli.models.families)."""
+    return config.family.block_tokens(config, layer, seq_len)
 
 
 def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = False) -> tuple[int, int]:
@@ -58,7 +58,6 @@ def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = Fal
     per_token = 2 * config.d_model * 2 * config.hidden + 2 * config.hidden * config.d_model  # SwiGLU gate+up, down
     if not config.experts:
         return tokens * per_token, 0
-    from modcli.models.moe import expert_capacity  # imported here: modcli.models.moe needs torch, this module does not
 
     pool = config.experts + config.noop_experts_of(layer)
     gate = 2 * tokens * config.d_model * pool
@@ -77,8 +76,8 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, tr
     out = FlopBreakdown()
     for layer in range(config.n_layers):
         n, n_mlp = block_tokens(config, layer, seq_len)
-        # --arch early-exit: training skips the block for a sequence with probability p (the expected count)
-        kept = 1.0 - config.layer_dropout(layer) if training else 1.0
+        # a family with layer dropout skips the block for a sequence with probability p (the expected count)
+        kept = 1.0 - config.family.layer_dropout(config, layer) if training else 1.0
         out.attention_proj += round(kept * (2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d))
         out.attention_scores += round(kept * 2 * 2 * n * n * q_width)  # q k^T and (scores) v, over all query heads
         mlp, gate = mlp_flops(config, layer, n_mlp, training)
@@ -89,8 +88,8 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, tr
             out.router += router
             out.predictor += predictor
     out.head += 2 * seq_len * d * config.vocab_size
-    if training and config.arch == "early-exit" and config.exit_loss_scale > 0:  # an exit after every block
-        out.head += (config.n_layers - 1) * 2 * seq_len * d * config.vocab_size
+    if training:  # exits through the shared norm and head (early exit's exit losses)
+        out.head += config.family.extra_head_passes(config) * 2 * seq_len * d * config.vocab_size
     return out
 
 
@@ -147,8 +146,6 @@ def counted_flops(run_forward) -> dict[str, int]:
     (forward and backward), so they are mapped here to the formulas the counter uses for the CUDA attention kernels.
     Every FLOP count in modcli goes through this function.
     """
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
     def cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
         return sdpa_flop_count(query_shape, key_shape, value_shape)

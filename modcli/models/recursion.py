@@ -1,9 +1,9 @@
 """Mixture-of-Recursions (Bae et al., 2025): a shared stack of blocks applied up to N times, with expert-choice
 routing that keeps a shrinking share of the tokens before each recursion step.
 
-Sharing ("middle-cycle"): the first and the last block are unique, the `recursion_layers` blocks between them are
+Sharing ("middle-cycle"): the first and the last block are unique, the `RECURSION.shared_blocks(config)` blocks between them are
 one shared stack applied `recursions` times, so `n_layers` (the unrolled depth, as for the dense twin) is
-2 + recursions x recursion_layers while the parameters count only 2 + recursion_layers blocks. The middle-cycle
+2 + recursions x shared blocks while the parameters count only 2 + shared blocks. The middle-cycle
 choice follows the MoR paper, which found unique first and last layers better than sharing them: the embedding
 side and the head side do different work from the middle.
 
@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
-from modcli.models.decoder import Block, MoDDecoder, config_rope
+from modcli.models.decoder import Block, ForwardAux, MoDDecoder, config_rope
+from modcli.models.families.recursion import RECURSION
 from modcli.models.routing.base import RouterCapabilities, RoutingRecord
 from modcli.models.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal, select_topk
 from modcli.models.routing.topk import TopKRouter
@@ -52,7 +53,7 @@ class RecursionDecoder(MoDDecoder):
         plain = config.dense_twin()  # the blocks are plain dense blocks; routing happens between them
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.first = Block(plain, 0)
-        self.shared = nn.ModuleList(Block(plain, 1 + j) for j in range(config.recursion_layers))
+        self.shared = nn.ModuleList(Block(plain, 1 + j) for j in range(RECURSION.shared_blocks(config)))
         self.last = Block(plain, config.n_layers - 1)
         self.routers = nn.ModuleList(TopKRouter(plain, step) for step in range(config.recursions))
         self._add_head_and_initialise((self.first, *self.shared, self.last))
@@ -85,21 +86,21 @@ class RecursionDecoder(MoDDecoder):
     def step_share(self, step: int) -> float:
         """The share of the tokens still active before step r that step r keeps: c_r / c_(r-1) (what a fresh
         router is calibrated to, `modcli profile`)."""
-        capacities = self.config.recursion_capacity_list()
+        capacities = RECURSION.capacities(self.config)
         return capacities[step] / (capacities[step - 1] if step else 1.0)
 
     def cache_layer(self, step: int, shared: int) -> int:
         """Index in the DecoderCache of shared block `shared` at recursion step `step`."""
-        return 1 + step * self.config.recursion_layers + shared
+        return 1 + step * RECURSION.shared_blocks(self.config) + shared
 
     # --- the passes ----------------------------------------------------------------------------------------------
 
-    def forward(self, tokens: Tensor, routing: str | None = None, *, return_records: bool = False,
+    def forward(self, tokens: Tensor, routing: str | None = None, *, return_aux: bool = False,
                 cache: DecoderCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
                 capacity: float | None = None, k: int | None = None):
-        """tokens (B, T) -> logits (B, T, V) (and with `return_records` one RoutingRecord per recursion step, its
-        `layer` the step). `routing`, `cache`, `cache_rows`, `lengths` as for MoDDecoder.forward; `capacity` and
-        `k` are not used (the recursion capacities are fixed)."""
+        """tokens (B, T) -> logits (B, T, V); with `return_aux`, (logits, ForwardAux) holding one RoutingRecord per
+        recursion step, its `layer` the step. `routing`, `cache`, `cache_rows`, `lengths` as for
+        MoDDecoder.forward; `capacity` and `k` are not used (the recursion capacities are fixed)."""
         routing = self.training_mode if routing is None else routing
         self.check_routing(routing)
         causal = CAPABILITIES.is_causal(routing)
@@ -119,12 +120,12 @@ class RecursionDecoder(MoDDecoder):
         records = []
         for step, router in enumerate(self.routers):
             router_logits = router.logits(x, positions)  # (B, T)
-            predictor_logits = router.predictor_logits(x) if return_records or routing == "predictor" else None
+            predictor_logits = router.predictor_logits(x) if return_aux or routing == "predictor" else None
             if causal:
                 decisions = router.decide(x, router_logits, routing, positions, 1.0, predictor_logits) & active
                 selection = select_causal(decisions)
             else:
-                k_step = min(self.config.recursion_tokens(step, seq_len), int(active.sum(dim=1).min()))
+                k_step = min(RECURSION.step_tokens(self.config, step, seq_len), int(active.sum(dim=1).min()))
                 selection = select_topk(router_logits.masked_fill(~active, float("-inf")), k_step)
             active = _selected_mask(selection, seq_len)
             records.append(RoutingRecord(step, routing, router, router_logits, predictor_logits, selection,
@@ -135,7 +136,7 @@ class RecursionDecoder(MoDDecoder):
         if cache is not None:
             cache.positions[cache_rows] = seq_len if lengths is None else lengths
         logits = self.head(self.norm(x))  # (B, T, V)
-        return (logits, records) if return_records else logits
+        return (logits, ForwardAux(records)) if return_aux else logits
 
     def _recursion_step(self, x: Tensor, selection: Selection, router: TopKRouter, router_logits: Tensor,
                         cos: Tensor, sin: Tensor, step: int, cache: DecoderCache | None,

@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch
 
+from modcli.checkpoint.store import load_model_from
 from modcli.config import require
+from modcli.data.tokenizer import load_tokenizer
 from modcli.errors import UserError
+from modcli.hardware import resolve_device
 
 
 @dataclass
@@ -112,9 +115,6 @@ def _decodes(chunk: bytes) -> bool:
 @torch.no_grad()
 def route_map(config: RouteConfig) -> RouteMap:
     """Route the text through the run's model in every mode of its router (see the module docstring)."""
-    from modcli.checkpoint.store import load_model_from
-    from modcli.data.tokenizer import load_tokenizer
-    from modcli.hardware import resolve_device
 
     path = Path(config.text)
     if not path.is_file():
@@ -158,7 +158,8 @@ def route_tokens(model, ids: list[int], pieces: list[str], checkpoint: str = "",
             window = torch.tensor([ids[start:start + seq_len]], device=device)  # (1, T)
             positions = torch.arange(window.shape[1], device=device)  # (T,)
             for mode in modes:
-                _, records = model(window, mode, return_records=True)
+                _, aux = model(window, mode, return_aux=True)
+                records = aux.records
                 for record in records:
                     chosen = torch.zeros(window.shape[1], dtype=torch.bool, device=device)  # (T,)
                     idx = record.selection.selected_idx[0]  # (k,)

@@ -51,9 +51,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from modcli.checkpoint.store import complete_checkpoints, read_state
 from modcli.config import DataConfig, ModelConfig, RunConfig, TrainConfig, require, resolve_run_config
+from modcli.data.corpus import load_corpus
+from modcli.data.tokenizer import ByteTokenizer
 from modcli.errors import TrainingDiverged, UserError
+from modcli.evaluation.perplexity import EvalConfig, evaluate
+from modcli.models.build import build_model
+from modcli.profiling.profile import ProfileConfig, profile
 from modcli.reports.console import stderr_console
+from modcli.reports.plots import frontier_plot, isoflop_plot
+from modcli.training.loop import step_flops, train
 
 GRID_KEYS = ("preset", "budgets", "common", "size", "variant", "eval", "profile")
 SWEEP_SETS = ("out", "resume", "flops_budget", "max_steps", "init_from")
@@ -289,8 +297,6 @@ def _variant_name(name: str | None, flags: dict[str, Any], config: RunConfig) ->
 
 def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = None) -> list[GridPoint]:
     """Every budget x size x variant as a validated point; a UserError names the first impossible one."""
-    from modcli.models.families import model_class
-    from modcli.training.loop import step_flops
 
     overrides = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
     points: list[GridPoint] = []
@@ -312,7 +318,7 @@ def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = N
                                 f"costs {per_step:.3g} FLOPs)")
             shape = json.dumps(dataclasses.asdict(config.model), sort_keys=True)
             if shape not in parameters:
-                parameters[shape] = model_class(config.model.arch)(config.model).num_parameters()
+                parameters[shape] = build_model(config.model).num_parameters()
             points.append(GridPoint(name, budget, _size_name(size_name, config),
                                     _variant_name(variant_name, variant, config), config,
                                     math.ceil(budget / per_step), per_step, parameters[shape]))
@@ -346,7 +352,6 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def _check_existing_run(point: GridPoint) -> None:
     """A run folder from an earlier invocation must hold this very point (else resuming would mix two configs)."""
-    from modcli.checkpoint.store import complete_checkpoints
 
     found = complete_checkpoints(Path(point.config.train.out))
     if not found:
@@ -364,8 +369,6 @@ def _check_existing_run(point: GridPoint) -> None:
 def check_corpora(points: list[GridPoint]) -> None:
     """Load each distinct corpus once (byte-level ones; a tokenizer.json is read when its run starts), so that a
     missing file or a corpus too short for seq_len stops the sweep before anything trains."""
-    from modcli.data.corpus import load_corpus
-    from modcli.data.tokenizer import ByteTokenizer
 
     seen = set()
     for point in points:
@@ -418,8 +421,6 @@ def _is_done(record: dict[str, Any] | None, point: GridPoint, profile: bool) -> 
 
 def train_point(point: GridPoint, verbose: bool = False) -> dict[str, Any]:
     """Train (or resume, or skip when its last checkpoint spent the budget) one point; what its run folder says."""
-    from modcli.checkpoint.store import complete_checkpoints, read_state
-    from modcli.training.loop import train
 
     run_dir = Path(point.config.train.out)
     found = complete_checkpoints(run_dir)
@@ -443,7 +444,6 @@ def train_point(point: GridPoint, verbose: bool = False) -> dict[str, Any]:
 
 def evaluate_point(point: GridPoint, settings: EvalSettings) -> dict[str, Any]:
     """Every routing mode of the run on the same validation windows; the first causal mode is the result."""
-    from modcli.evaluation.perplexity import EvalConfig, evaluate
 
     tc = point.config.train
     result = evaluate(EvalConfig(checkpoint=tc.out, batches=settings.batches, batch_size=settings.batch_size,
@@ -463,7 +463,6 @@ def evaluate_point(point: GridPoint, settings: EvalSettings) -> dict[str, Any]:
 def profile_point(point: GridPoint, settings: ProfileSettings) -> dict[str, Any]:
     """Forward and decode latency of the trained run against its dense twin, interleaved call by call (a dense run
     is timed alone: its ratios are 1 by definition)."""
-    from modcli.profiling.profile import ProfileConfig, profile
 
     tc = point.config.train
     dense = point.config.model.dense
@@ -552,7 +551,6 @@ def sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
     best = best_per_budget(runs)
     plots: dict[str, str] = {}
     if config.plots:
-        from modcli.reports.plots import frontier_plot, isoflop_plot
 
         plots["isoflop"] = isoflop_plot(runs, best, out / "isoflop.png")
         if any(r.get("latency") for r in runs):
@@ -563,7 +561,6 @@ def sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
 
 
 def _needs_training(point: GridPoint) -> bool:
-    from modcli.checkpoint.store import complete_checkpoints, read_state
 
     found = complete_checkpoints(Path(point.config.train.out))
     if not found:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from modcli.errors import UserError
 from modcli.hardware import resolve_device
@@ -95,13 +98,10 @@ def wrap_model(model: nn.Module, context: DistributedContext, parallel: str) -> 
     if not context.enabled:
         return model
     if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [context.device.index] if context.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
-    import warnings
 
-    from torch.distributed.fsdp import fully_shard
 
     # The routing records returned beside the activations hold views (router logits squeezed to (B, T)); they
     # are never modified in place, which is what FSDP2's warning is about.

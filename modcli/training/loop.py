@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from modcli.checkpoint.lock import RunLock, run_lock_path
 from modcli.checkpoint.store import (
@@ -135,10 +137,6 @@ def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:
     64.5 ms (for-loop, PyTorch's CPU default): the update does not shrink with routed tokens, and it was most of an
     MoD training step at batch 1 (the whole step measured 109.5 ms on 1 thread). Sharded (FSDP2 DTensor) or other
     devices' parameters keep PyTorch's default."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - builds without distributed
-        DTensor = ()  # noqa: N806
     plain = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
                 for p in params)
     return {"fused": True} if params and plain else {}
@@ -429,7 +427,6 @@ def _run_tokenizer(config: RunConfig, init: Path | None, context: DistributedCon
 
 def _load_for_conversion(model: MoDDecoder, checkpoint: Path) -> None:
     """The weights of `checkpoint` into `model`, whose routers (if any) are new and keep their initialisation."""
-    from safetensors.torch import load_file
 
     state = {name: tensor for name, tensor in load_file(str(checkpoint / "model.safetensors")).items()
              if ".router." not in name}  # a router of another kind (or none) in the original: start afresh
@@ -485,8 +482,7 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
     modes = validation_modes(run.model)
     metrics = MetricsLog(run_dir, resume_step=run.step if tc.resume else None) if context.is_main else None
     if not quiet:
-        kind = (f"MoD, {mc.router} router, capacity {mc.capacity} on blocks {mc.routed_layers()}"
-                if mc.arch == "mod" and not mc.dense and not mc.experts else mc.kind)
+        kind = mc.kind + (f" on blocks {mc.routed_layers()}" if mc.routed_layers() else "")
         parallel = f", {context.world_size} ranks ({tc.parallel})" if context.enabled else ""
         stderr_console.print(
             f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
@@ -581,13 +577,14 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                       "tokens": run.tokens, "flops": run.flops,
                       "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                       "tokens_per_s": session_tokens / max(train_time, 1e-9)}
-            for name, term in objective.terms.items():
-                record[name] = term.item()
-            if objective.records and tc.capacity_warmup:
+            for term in objective.terms:
+                record[term.name] = term.value.item()
+            records = objective.aux.records
+            if records and tc.capacity_warmup:
                 record["capacity"] = capacity
             if run.step % tc.log_every == 0 or last_step:
-                if objective.records:
-                    record["routing"] = routing_agreement(objective.records)
+                if records:
+                    record["routing"] = routing_agreement(records)
                 for name, read in objective.readers.items():
                     record[name] = read()
             if evaluate_now:

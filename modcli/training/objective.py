@@ -1,4 +1,13 @@
-"""Language-model loss, the routers' auxiliary losses, and their routing statistics."""
+"""The training objective, every loss in one place: the language-model loss, and each auxiliary loss a model family
+declares (modcli.models.families: `aux_losses`), computed from what its forward returned (ForwardAux).
+
+- `routing` (mod, recursion): each router's own auxiliary losses (modcli.models.routing), mean over routed blocks:
+  `router_aux_loss` at --router-aux-weight (topk: BCE of the router logits against top-k; threshold: the capacity
+  regulariser) and `predictor_loss` at weight 1 (the stop-gradient predictor's BCE).
+- `experts` (mod): the Switch load-balancing loss of the MoE blocks, mean over blocks, at --expert-aux-weight.
+- `exits` (early-exit): the cross-entropy of the exit after every block but the last, weighted by depth, times
+  --exit-loss-scale, at weight 1.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modcli.config import TrainConfig
+from modcli.config import ModelConfig, TrainConfig
+from modcli.models.decoder import ForwardAux
 from modcli.models.routing.base import RoutingRecord
 
 
@@ -22,6 +32,33 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 def bits_per_byte(loss_nats: float, bytes_per_token: float = 1.0) -> float:
     """A loss in nats per token -> bits per byte of text (bytes_per_token = 1 when tokens are bytes)."""
     return loss_nats / math.log(2) / bytes_per_token
+
+
+@dataclass
+class LossTerm:
+    """One auxiliary loss of a training forward."""
+
+    name: str
+    """Its metrics key (metrics.jsonl), e.g. router_aux_loss."""
+    value: Tensor
+    """The loss before its weight (0-d)."""
+    weight: float
+    """The weight it is added to the total with."""
+
+
+@dataclass
+class Objective:
+    """One training forward's loss: `total` is what backward runs on; the rest is for metrics."""
+
+    total: Tensor
+    lm: Tensor
+    """The next-token cross-entropy alone (nats, the number `modcli train` reports as its loss)."""
+    terms: list[LossTerm]
+    """Each auxiliary loss the model's family declares, in order."""
+    aux: ForwardAux
+    """What the forward returned besides the logits (routing records, expert statistics, exits)."""
+    readers: dict[str, Callable[[], dict]]
+    """Per-block statistics to read for metrics, by metrics key (each read costs one device sync)."""
 
 
 def routing_losses(records: list[RoutingRecord]) -> tuple[Tensor, Tensor]:
@@ -49,89 +86,77 @@ def routing_agreement(records: list[RoutingRecord]) -> dict[str, dict[str, dict[
     return {f"block{record.layer}": record.router.metrics(record) for record in records}
 
 
-def _unwrapped(model):
-    module = getattr(model, "module", getattr(model, "_orig_mod", model))  # DDP / torch.compile wrappers
-    return getattr(module, "_orig_mod", module)
-
-
-def early_exit_losses(model, targets: Tensor) -> tuple[Tensor, Callable[[], dict[str, float]] | None]:
-    """The early-exit loss of the model's last training forward (`--arch early-exit`, modcli.models.early_exit): the
-    cross-entropy of the exit after each block but the last (through the shared final norm and head) against
-    `targets` (B, T), weighted by `exit_loss_weights` (rising with depth, summing to 1) and scaled by
-    --exit-loss-scale; 0 for a model that stored no exits. And, for metrics, a function of no arguments that reads
-    each exit's loss (one device sync when called)."""
-    module = _unwrapped(model)
-    exit_logits = getattr(module, "exit_logits", None)  # (L-1, B, T, V)
-    if exit_logits is None:
-        return torch.zeros(()), None
-    exits = exit_logits.shape[0]
-    per_token = F.cross_entropy(exit_logits.float().flatten(0, 2), targets.repeat(exits, 1, 1).flatten(),
+def exit_losses(aux: ForwardAux, targets: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """The early-exit loss (`--arch early-exit`, modcli.models.early_exit): the cross-entropy of the exit after each
+    block but the last (through the shared final norm and head) against `targets` (B, T), weighted by
+    `aux.exit_weights` (rising with depth, summing to 1) and scaled by --exit-loss-scale; and each exit's loss
+    (L-1,). 0 and an empty tensor for a pass that returned no exits (evaluation, or --exit-loss-scale 0)."""
+    if aux.exit_logits is None:
+        return torch.zeros(()), torch.zeros(0)
+    exits = aux.exit_logits.shape[0]
+    per_token = F.cross_entropy(aux.exit_logits.float().flatten(0, 2), targets.repeat(exits, 1, 1).flatten(),
                                 reduction="none")  # (L-1 x B x T,)
     per_exit = per_token.view(exits, -1).mean(dim=1)  # (L-1,)
-    loss = module.config.exit_loss_scale * (module.exit_loss_weights.to(per_exit) * per_exit).sum()
+    return scale * (aux.exit_weights.to(per_exit) * per_exit).sum(), per_exit
+
+
+def _routing(aux: ForwardAux, targets: Tensor, config: ModelConfig, train: TrainConfig):
+    if not aux.records:
+        return [], {}
+    router, predictor = routing_losses(aux.records)
+    return [LossTerm("router_aux_loss", router, train.router_aux_weight),
+            LossTerm("predictor_loss", predictor, 1.0)], {}
+
+
+def _experts(aux: ForwardAux, targets: Tensor, config: ModelConfig, train: TrainConfig):
+    if not aux.experts:
+        return [], {}
+    blocks = aux.experts
+    balance = torch.stack([stats.aux_loss for stats in blocks.values()]).mean()
+
+    def read() -> dict[str, dict[str, float]]:
+        return {f"block{layer}": {"dropped": stats.dropped.item(), "noop": stats.noop.item(),
+                                  "load": [round(x, 4) for x in stats.load.tolist()]} for layer, stats in blocks.items()}
+
+    return [LossTerm("expert_aux_loss", balance, train.expert_aux_weight)], {"experts": read}
+
+
+def _exits(aux: ForwardAux, targets: Tensor, config: ModelConfig, train: TrainConfig):
+    if aux.exit_logits is None:
+        return [], {}
+    loss, per_exit = exit_losses(aux, targets, config.exit_loss_scale)
 
     def read() -> dict[str, float]:
         return {f"block{layer}": round(value, 4) for layer, value in enumerate(per_exit.detach().tolist())}
 
-    return loss, read
+    return [LossTerm("exit_loss", loss, 1.0)], {"exit_losses": read}
 
 
-def expert_losses(model) -> tuple[Tensor, Callable[[], dict[str, dict]] | None]:
-    """The MoE load-balancing loss of the model's last forward pass (mean over MoE blocks; 0 without experts) and,
-    for metrics, a function of no arguments that reads each block's statistics (one device sync when called)."""
-    module = _unwrapped(model)
-    blocks = [(layer, block.mlp.stats) for layer, block in enumerate(module.blocks)
-              if getattr(block.mlp, "stats", None) is not None]
-    if not blocks:
-        return torch.zeros(()), None
-    aux = torch.stack([stats.aux_loss for _, stats in blocks]).mean()
-
-    def read() -> dict[str, dict[str, float]]:
-        return {f"block{layer}": {"dropped": stats.dropped.item(), "noop": stats.noop.item(),
-                                  "load": [round(x, 4) for x in stats.load.tolist()]} for layer, stats in blocks}
-
-    return aux, read
+AUX_LOSSES: dict[str, Callable] = {"routing": _routing, "experts": _experts, "exits": _exits}
+"""Every auxiliary loss a family may declare: name -> f(aux, targets, model config, train config) -> (terms,
+metric readers)."""
 
 
-@dataclass
-class Objective:
-    """One training forward's loss: `total` is what backward runs on; the rest is for metrics."""
-
-    total: Tensor
-    lm: Tensor
-    """The next-token cross-entropy alone (nats, the number `modcli train` reports as its loss)."""
-    terms: dict[str, Tensor]
-    """Each auxiliary loss by its metrics name, before its weight."""
-    weights: dict[str, float]
-    """The weight each term is added to `total` with."""
-    records: list[RoutingRecord]
-    """The routed blocks' records of this forward (routing statistics)."""
-    readers: dict[str, Callable[[], dict]]
-    """Per-block statistics to read for metrics (each read costs one device sync)."""
+def unwrapped(model):
+    """The decoder inside DDP / torch.compile wrappers."""
+    module = getattr(model, "module", getattr(model, "_orig_mod", model))
+    return getattr(module, "_orig_mod", module)
 
 
 def training_loss(model, tokens: Tensor, targets: Tensor, train: TrainConfig, routing: str | None = None,
                   capacity: float | None = None) -> Objective:
-    """The one training objective: a training-mode forward of `model` (or its DDP / compiled wrapper) on tokens
-    (B, T), its LM loss against targets (B, T), plus every auxiliary loss the model's family declares at its
-    configured weight. `modcli train` and `modcli profile`'s training step both call this."""
-    logits, records = model(tokens, routing, return_records=True, capacity=capacity)
+    """The one training objective: a forward of `model` (or its DDP / compiled wrapper) on tokens (B, T), its LM
+    loss against targets (B, T), plus every auxiliary loss the model's family declares, at its weight.
+    `modcli train` and `modcli profile`'s training step both call this."""
+    logits, aux = model(tokens, routing, return_aux=True, capacity=capacity)
     lm = lm_loss(logits, targets)
-    router_aux, predictor_aux = routing_losses(records)
-    expert_aux, expert_stats = expert_losses(model)
-    exit_aux, exit_stats = early_exit_losses(model, targets)
-    device = lm.device
-    terms, weights, readers = {}, {}, {}
-    if records:
-        terms["router_aux_loss"], weights["router_aux_loss"] = router_aux.to(device), train.router_aux_weight
-        terms["predictor_loss"], weights["predictor_loss"] = predictor_aux.to(device), 1.0
-    if expert_stats is not None:
-        terms["expert_aux_loss"], weights["expert_aux_loss"] = expert_aux.to(device), train.expert_aux_weight
-        readers["experts"] = expert_stats
-    if exit_stats is not None:
-        terms["exit_loss"], weights["exit_loss"] = exit_aux.to(device), 1.0
-        readers["exit_losses"] = exit_stats
+    config = unwrapped(model).config
+    terms, readers = [], {}
+    for name in config.family.aux_losses:
+        more, read = AUX_LOSSES[name](aux, targets, config, train)
+        terms += more
+        readers.update(read)
     total = lm
-    for name, term in terms.items():
-        total = total + weights[name] * term
-    return Objective(total, lm, terms, weights, records, readers)
+    for term in terms:
+        total = total + term.weight * term.value.to(lm.device)
+    return Objective(total, lm, terms, aux, readers)

@@ -108,7 +108,8 @@ def test_generate_reports_stored_and_allocated_kv_cache_bytes():
 def test_routed_cache_length_equals_the_number_of_processed_tokens():
     model = _model()
     tokens = torch.randint(0, 256, (2, 30))
-    _, records = model(tokens, "router", return_records=True)
+    _, aux = model(tokens, "router", return_aux=True)
+    records = aux.records
     cache = DecoderCache.allocate(model.config, 2, 30, torch.device("cpu"))
     model(tokens[:, :1], "router", cache=cache)
     for t in range(1, 30):

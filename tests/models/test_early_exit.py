@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from modcli.cli import app
-from modcli.config import ModelConfig
+from modcli.config import ModelConfig, TrainConfig
 from modcli.decode.generation import GenerateConfig, generate
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder, config_rope
 from modcli.models.early_exit import EarlyExitDecoder
 from modcli.models.flops import counted_flops, training_flops
-from modcli.training.objective import early_exit_losses, lm_loss
+from modcli.training.objective import training_loss
 
 ATOL = 1e-4
 PROMPTS = ["def f(x):", "import os", "a"]  # different lengths: a right-padded batch
@@ -122,30 +122,33 @@ def test_generate_with_exits_and_speculative_decoding_equal_the_full_greedy_outp
 
 def test_layer_dropout_is_off_in_eval_and_skips_whole_rows_in_training():
     model = EarlyExitDecoder(early_exit_config(layer_dropout_max=0.5))
-    assert [model.config.layer_dropout(layer) for layer in range(4)] == [0.0, 0.5 / 3, 1.0 / 3, 0.5]
+    assert [model.config.family.layer_dropout(model.config, layer) for layer in range(4)] == [0.0, 0.5 / 3, 1.0 / 3, 0.5]
     seen: dict[int, list[int]] = {layer: [] for layer in range(4)}
     for layer, block in enumerate(model.blocks):
         block.register_forward_hook(lambda module, args, out, layer=layer: seen[layer].append(args[0].shape[0]))
     tokens = torch.randint(0, 256, (64, 8))
     model.eval()
     with torch.no_grad():
-        first, second = model(tokens), model(tokens)
+        (first, aux), second = model(tokens, return_aux=True), model(tokens)
     torch.testing.assert_close(first, second, atol=0, rtol=0)
-    assert all(sizes == [64, 64] for sizes in seen.values()) and model.exit_logits is None
+    assert all(sizes == [64, 64] for sizes in seen.values()) and aux.exit_logits is None
     seen = {layer: [] for layer in range(4)}
     model.train()
     torch.manual_seed(0)
-    model(tokens)
+    _, aux = model(tokens, return_aux=True)
     assert seen[0] == [64] and 64 > seen[3][0] > 16  # block 3 runs only its kept rows (64 x 0.5 expected)
-    assert model.exit_logits.shape == (3, 64, 8, 256)
+    assert aux.exit_logits.shape == (3, 64, 8, 256)
 
 
 def test_early_exit_loss_matches_an_independent_computation_and_the_flop_count():
     model = EarlyExitDecoder(early_exit_config(layer_dropout_max=0.0, exit_loss_scale=0.7)).train()
     tokens = torch.randint(0, 256, (2, 16))
     targets = tokens.roll(-1, dims=1)
-    model(tokens)
-    loss, read = early_exit_losses(model, targets)
+    objective = training_loss(model, tokens, targets, TrainConfig())
+    [term] = objective.terms
+    loss, read = term.value, objective.readers["exit_losses"]
+    assert term.name == "exit_loss" and term.weight == 1.0
+    torch.testing.assert_close(objective.total, objective.lm + loss)
     cos, sin = config_rope(model.config, torch.arange(16))
     x, expected = model.embed(tokens), []
     for block in model.blocks[:-1]:
@@ -155,13 +158,12 @@ def test_early_exit_loss_matches_an_independent_computation_and_the_flop_count()
     torch.testing.assert_close(loss, 0.7 * (weights * torch.stack(expected)).sum(), atol=1e-5, rtol=0)
     assert list(read()) == ["block0", "block1", "block2"]
     model.eval()
-    model(tokens)
-    assert early_exit_losses(model, targets)[1] is None  # evaluation stores no exits
+    assert training_loss(model, tokens, targets, TrainConfig()).terms == []  # evaluation returns no exits
 
     model.train()
 
     def step() -> None:  # the exits' heads count in the training FLOPs (--flops-budget)
-        (lm_loss(model(tokens), targets) + early_exit_losses(model, targets)[0]).backward()
+        training_loss(model, tokens, targets, TrainConfig()).total.backward()
 
     assert sum(counted_flops(step).values()) == 2 * training_flops(model.config, 16)
 

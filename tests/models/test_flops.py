@@ -35,7 +35,8 @@ def test_analytic_training_flops_equal_the_flop_counter_over_forward_and_backwar
     tokens = torch.randint(0, 256, (2, config.seq_len))
 
     def forward_backward() -> None:
-        logits, records = model(tokens, "topk", return_records=True)
+        logits, aux = model(tokens, "topk", return_aux=True)
+        records = aux.records
         router_bce, predictor_bce = routing_losses(records)
         (lm_loss(logits, tokens) + 0.1 * router_bce + predictor_bce).backward()
 

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from modcli.cli import app
 from modcli.config import ModelConfig
 from modcli.models.cache import DecoderCache
+from modcli.models.families.recursion import RECURSION
 from modcli.models.flops import counted_flops, training_flops
 from modcli.models.recursion import RecursionDecoder
 from modcli.training.objective import lm_loss, routing_losses
@@ -37,7 +38,7 @@ def fresh(**overrides) -> RecursionDecoder:
 
 def test_sharing_counts_parameters_once_and_depth_unrolled():
     config = recursion_config()
-    assert config.recursion_layers == 2 and config.recursion_capacity_list() == pytest.approx([1.0, 2 / 3, 1 / 3])
+    assert RECURSION.shared_blocks(config) == 2 and RECURSION.capacities(config) == pytest.approx([1.0, 2 / 3, 1 / 3])
     model = RecursionDecoder(config)
     assert len(model.blocks) == 4  # first, two shared, last
     block_params = sum(p.numel() for p in model.first.parameters())
@@ -65,7 +66,8 @@ def test_capacities_one_without_gating_equal_the_unrolled_shared_stack():
 @torch.no_grad()
 def test_top_k_keeps_a_shrinking_nested_share():
     model = fresh()
-    _, records = model(torch.randint(0, 256, (3, 30)), "topk", return_records=True)
+    _, aux = model(torch.randint(0, 256, (3, 30)), "topk", return_aux=True)
+    records = aux.records
     counts = [record.selection.counts.tolist() for record in records]
     assert counts == [[30] * 3, [20] * 3, [10] * 3]
     for row in range(3):
@@ -89,7 +91,8 @@ def test_causal_modes_are_causal_and_top_k_is_not(routing):
 def test_cached_decoding_equals_the_causal_full_forward_and_the_cache_shrinks_with_depth(routing):
     model = fresh()
     tokens = torch.randint(0, 256, (3, 30))
-    full, records = model(tokens, routing, return_records=True)
+    full, aux = model(tokens, routing, return_aux=True)
+    records = aux.records
     cache = DecoderCache.allocate(model.config, 3, 30, torch.device("cpu"))
     logits = [model(tokens[:, :10], routing, cache=cache)[:, -1]]
     for t in range(10, 30):
@@ -107,7 +110,8 @@ def test_training_flops_count_each_recursion_exactly():
     tokens = torch.randint(0, 256, (2, 32))
 
     def step():
-        logits, records = model(tokens, return_records=True)
+        logits, aux = model(tokens, return_aux=True)
+        records = aux.records
         router, predictor = routing_losses(records)
         (lm_loss(logits, tokens) + router + predictor).backward()
 

@@ -65,8 +65,10 @@ def test_causal_modes_are_causal(kind):
     changed = tokens.clone()
     changed[:, 20:] = torch.randint(0, 256, (2, 12))
     for mode in model.causal_modes():
-        before, records = model(tokens, mode, return_records=True)
-        after, changed_records = model(changed, mode, return_records=True)
+        before, aux = model(tokens, mode, return_aux=True)
+        records = aux.records
+        after, changed_records_aux = model(changed, mode, return_aux=True)
+        changed_records = changed_records_aux.records
         # The decisions about the first 20 tokens are identical, bit for bit; their logits agree to float rounding
         # only, since a different number of selected rows after them changes how the matrix products are blocked.
         for record, other in zip(records, changed_records, strict=True):
@@ -88,7 +90,8 @@ def test_cached_decoding_equals_the_causal_full_forward(kind, part):
     model = fresh_model(kind, route_part=part)
     tokens = torch.randint(0, 256, (3, 30))
     for mode in model.causal_modes():
-        full, records = model(tokens, mode, return_records=True)
+        full, aux = model(tokens, mode, return_aux=True)
+        records = aux.records
         cache = DecoderCache.allocate(model.config, 3, 30, torch.device("cpu"))
         steps = [model(tokens[:, :9], mode, cache=cache)[:, -1]]
         steps += [model.decode_step(tokens[:, t], cache, mode) for t in range(9, 30)]
@@ -111,7 +114,8 @@ def test_processing_every_token_without_gating_equals_the_dense_twin(kind):
     reference = dense(tokens)
     everything = []  # the modes that process every token at this capacity (a learnt causal rule may not)
     for mode in model.routing_modes():
-        logits, records = model(tokens, mode, return_records=True)
+        logits, aux = model(tokens, mode, return_aux=True)
+        records = aux.records
         if all(record.selection.counts.tolist() == [24, 24] for record in records):
             everything.append(mode)
             torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0, msg=mode)
@@ -250,7 +254,8 @@ def test_capacity_warmup_anneals_from_one_to_the_capacity_with_k_fixed_within_a_
     assert [r["capacity"] for r in records] == [0.8125, 0.625, 0.4375, 0.25, 0.25]
     model = fresh_model("topk", capacity=0.25)
     with torch.no_grad():  # the capacity in force sets k of the step: floor(capacity x T)
-        _, records = model(torch.randint(0, 256, (2, 32)), "topk", return_records=True, capacity=0.8125)
+        _, aux = model(torch.randint(0, 256, (2, 32)), "topk", return_aux=True, capacity=0.8125)
+        records = aux.records
     assert [r.selection.selected_idx.shape[1] for r in records] == [26, 26]
 
 

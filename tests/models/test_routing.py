@@ -164,10 +164,12 @@ def test_auxiliary_labels_refuse_the_records_of_a_causal_forward():
     torch.manual_seed(0)
     model = MoDDecoder(tiny_model_config()).eval()
     tokens = torch.randint(0, 256, (2, 32))
-    _, records = model(tokens, "topk", return_records=True)
+    _, aux = model(tokens, "topk", return_aux=True)
+    records = aux.records
     router_bce, _ = routing_losses(records)  # top-k records: fine
     assert router_bce > 0
-    _, causal = model(tokens, "router", return_records=True)
+    _, causal_aux = model(tokens, "router", return_aux=True)
+    causal = causal_aux.records
     assert any(record.selection.valid is not None for record in causal)
     with pytest.raises(ValueError, match="top-k forward"):
         routing_losses(causal)
