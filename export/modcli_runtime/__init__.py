@@ -10,11 +10,16 @@ Command line: `modcli-run BUNDLE --prompt "def "` (or `python -m modcli_runtime`
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from modcli_runtime.bench import time_bundle
 from modcli_runtime.bundle import Bundle, BundleError, CacheSpec, load_bundle, read_manifest
 from modcli_runtime.device import DeviceCache
 from modcli_runtime.generate import Generation, Utf8Stream, generate_tokens, sample
 
-__version__ = "0.1.0"
+try:  # one version for modcli and its runtime, declared in modcli/__init__.py; read from the metadata, never imported
+    __version__ = importlib.metadata.version("modcli")
+except importlib.metadata.PackageNotFoundError:  # a source tree on the path that was never installed
+    __version__ = "0+unknown"
 __all__ = ["Bundle", "BundleError", "CacheSpec", "DeviceCache", "Generation", "Utf8Stream", "generate_tokens", "load_bundle",
            "read_manifest", "sample", "time_bundle", "__version__"]
