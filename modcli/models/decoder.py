@@ -37,6 +37,8 @@ class ForwardAux:
     """(L-1, B, T, V): early exit's exits after blocks 0..L-2 in a training-mode pass; None otherwise."""
     exit_weights: Tensor | None = None
     """(L-1,): the weight of each exit's loss (early exit)."""
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    """Anything else a family's own auxiliary loss reads (a family registered outside modcli, say), by name."""
 
 
 def rope_tables(positions: Tensor, head_dim: int, base: float,
