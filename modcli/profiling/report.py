@@ -22,7 +22,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def ratios(model: ModelProfile, baseline: ModelProfile | None) -> dict[str, Ratio]:
-    """Model / baseline of every measured quantity, each latency with the ratio its counted FLOPs predict."""
+    """Model / baseline of every measured quantity; each latency beside the ratio its FLOPs predict (ideal)."""
     if baseline is None:
         return {}
     ratio = {
