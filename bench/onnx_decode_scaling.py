@@ -78,8 +78,7 @@ def time_new(bundle: Path, dense: int, routed: int, repeats: int, warmup: int, s
 
     decode = time_bundle(bundle, batch=1, seq_len=1, cache_tokens=dense, routed_cache_tokens=routed,
                          repeats=repeats, warmup=warmup, threads=1, seed=seed)["decode"]
-    return {"latency_ms": decode["latency_ms"], "min_ms": decode["min_ms"], "p90_ms": decode["p90_ms"],
-            "calls_with_block_work": decode["calls_with_block_work"]}
+    return {key: decode[key] for key in ("latency_ms", "latency_min_ms", "latency_max_ms", "calls_with_block_work")}
 
 
 # ----------------------------------------------------------------------------------------------- the format-1 graph
@@ -125,8 +124,10 @@ def old_decode_onnx(checkpoint: Path, out: Path, commit: str) -> Path | None:
 
 def time_graph(path: Path, n_layers: int, routed_layers: list[int], kv_heads: int, head_dim: int, dense: int,
              routed: int, repeats: int, warmup: int, seed: int) -> dict:
-    """One decode graph alone through onnxruntime (no runtime around it, nothing written), on fixed caches."""
+    """One decode graph alone through onnxruntime (no runtime around it, nothing written), on fixed caches, timed
+    as `time_bundle` times (modcli_runtime.timing)."""
     import onnxruntime as ort
+    from modcli_runtime.timing import interleaved, latency_stats
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
@@ -140,16 +141,13 @@ def time_graph(path: Path, n_layers: int, routed_layers: list[int], kv_heads: in
         feeds[f"keys.{layer}"] = rng.standard_normal(shape).astype(np.float32)
         feeds[f"values.{layer}"] = rng.standard_normal(shape).astype(np.float32)
         feeds[f"lengths.{layer}"] = np.array([tokens])
-    times = []
-    for call in range(warmup + repeats):
+    def step() -> dict[str, float]:
         feeds["tokens"] = rng.integers(0, 256, 1)
         start = time.perf_counter()
         session.run(None, feeds)
-        if call >= warmup:
-            times.append((time.perf_counter() - start) * 1000)
-    times_ms = np.array(times)
-    return {"latency_ms": float(np.median(times_ms)), "min_ms": float(times_ms.min()),
-            "p90_ms": float(np.percentile(times_ms, 90))}
+        return {"decode": time.perf_counter() - start}
+
+    return latency_stats(interleaved({"decode": step}, warmup, repeats)["decode"]["decode"], 1)
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -212,7 +210,7 @@ def measure(args: argparse.Namespace, work: Path) -> None:
         rows.append({"graph": label, "routed_blocks": name, "dense_cache_tokens": dense,
                      "routed_cache_tokens": routed,
                      "latency_ms": statistics.median(r["latency_ms"] for r in results),
-                     "min_ms": min(r["min_ms"] for r in results),
+                     "min_ms": min(r["latency_min_ms"] for r in results),
                      "round_medians_ms": [round(r["latency_ms"], 4) for r in results],
                      "calls_with_block_work": results[-1].get("calls_with_block_work")})
 

@@ -3,35 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from modcli_runtime.bundle import NUMPY_DTYPES, Bundle, load_bundle
-
-
-def _latencies_ms(call: Callable[[], Any], repeats: int, warmup: int,
-                  reset: Callable[[], Any] | None = None) -> np.ndarray:
-    """Wall-clock milliseconds of `repeats` calls after `warmup` untimed ones; `reset` runs untimed after each."""
-    for _ in range(warmup):
-        call()
-        if reset is not None:
-            reset()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1000)
-        if reset is not None:
-            reset()
-    return np.array(times)
-
-
-def _summary(times_ms: np.ndarray) -> dict[str, float]:
-    return {"latency_ms": float(np.median(times_ms)), "min_ms": float(times_ms.min()),
-            "p90_ms": float(np.percentile(times_ms, 90))}
+from modcli_runtime.timing import interleaved, latency_stats, timed
 
 
 def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_tokens: int = 128,
@@ -44,10 +22,12 @@ def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_t
     `routed_cache_tokens` (default: their top-k share of `cache_tokens`), on fresh random tokens each call (the
     graph's routing decides per token; the fraction of calls in which each routed block did its work is
     reported). A timed call is what one step of `generate` costs: the graph, then `CacheSpec.write_rows` storing
-    its K/V in place (lengths are put back, untimed, after each call, so every call sees the same cache).
-    Returns one dict: {"provider", "forward": {...}, "decode": {...}} with latency_ms (median), min_ms, p90_ms and
-    tokens_per_s. `threads`: onnxruntime intra-op threads (0 = its default); match torch.get_num_threads() for a
-    fair comparison. `device_cache`: as in `Bundle` (None: device-resident cache on CUDA, numpy buffers on CPU).
+    its K/V in place (lengths are put back and the token drawn, untimed, before each call, so every call sees the
+    same cache). `warmup` untimed calls, then `repeats` timed ones, through the harness `modcli profile` uses
+    (`modcli_runtime.timing`). Returns one dict: {"provider", "forward": {...}, "decode": {...}} with latency_ms
+    (median), latency_min_ms, latency_max_ms and tokens_per_s (`modcli_runtime.timing.latency_stats`). `threads`:
+    onnxruntime intra-op threads (0 = its default); match torch.get_num_threads() for a fair comparison.
+    `device_cache`: as in `Bundle` (None: device-resident cache on CUDA, numpy buffers on CPU).
     """
     if batch < 1 or seq_len < 1 or cache_tokens < 0 or repeats < 1 or warmup < 0 or (
             routed_cache_tokens is not None and routed_cache_tokens < 0):
@@ -58,9 +38,9 @@ def time_bundle(path: str | Path, *, batch: int = 1, seq_len: int = 128, cache_t
     results: dict[str, Any] = {"bundle": str(path), "provider": bundle.active_provider}
     if bundle.forward_info is not None and bundle.forward_info.get("kind") == "onnx":
         tokens = rng.integers(0, bundle.vocab_size, (batch, seq_len), dtype=np.int64)
-        stats = _summary(_latencies_ms(lambda: bundle.forward(tokens), repeats, warmup))
-        results["forward"] = {"batch": batch, "seq_len": seq_len, **stats,
-                              "tokens_per_s": batch * seq_len / (stats["latency_ms"] / 1000)}
+        seconds = interleaved({"forward": timed("forward", lambda: bundle.forward(tokens))}, warmup, repeats)
+        results["forward"] = {"batch": batch, "seq_len": seq_len,
+                              **latency_stats(seconds["forward"]["forward"], batch * seq_len)}
     if bundle.decode_info is not None and bundle.decode_info.get("kind") == "onnx":
         results["decode"] = _time_decode(bundle, batch, cache_tokens, routed_cache_tokens, repeats, warmup, rng)
     return results
@@ -86,21 +66,22 @@ def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, routed_cache_tok
     feeds["positions"] = np.full(batch, cache_tokens, dtype=np.int64)
     processed = {layer: 0 for layer in spec.routed_layers}
 
-    def one_step() -> None:
+    def one_step() -> dict[str, float]:
+        for layer, tokens in stored.items():  # every call sees the same cache
+            feeds[f"lengths.{layer}"][:] = tokens
         feeds["tokens"] = rng.integers(0, bundle.vocab_size, batch, dtype=np.int64)
+        start = time.perf_counter()
         outputs = step(feeds)
         cache.write_rows(feeds, outputs)
+        seconds = time.perf_counter() - start
         for layer in processed:
             processed[layer] += bool(outputs[f"processed.{layer}"].any())
+        return {"decode": seconds}
 
-    def reset() -> None:
-        for layer, tokens in stored.items():
-            feeds[f"lengths.{layer}"][:] = tokens
-
-    stats = _summary(_latencies_ms(one_step, repeats, warmup, reset))
+    seconds = interleaved({"decode": one_step}, warmup, repeats)["decode"]["decode"]
     calls = repeats + warmup
     routed = [stored[layer] for layer in spec.processed_row_layers]
     return {"batch": batch, "cache_tokens": cache_tokens, "routed_cache_tokens": routed[0] if routed else None,
             "kv_cache": "numpy" if cache is spec else f"device ({cache.device})",
-            **stats, "tokens_per_s": batch / (stats["latency_ms"] / 1000),
+            **latency_stats(seconds, batch),
             "calls_with_block_work": {f"block{layer}": n / calls for layer, n in processed.items()}}

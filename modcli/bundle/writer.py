@@ -424,7 +424,8 @@ def time_bundle(path: str | Path, **options) -> dict[str, Any]:
     """Latency of a bundle's ONNX graphs through onnxruntime (see modcli_runtime.bench.time_bundle).
 
     `modcli profile --onnx BUNDLE` calls this next to its eager PyTorch timings: forward on (batch, seq_len)
-    tokens and one decode step at `cache_tokens` cached tokens; median/min/p90 milliseconds and tokens/s.
+    tokens and one decode step at `cache_tokens` cached tokens; the statistics of `modcli_runtime.timing` (latency_ms
+    the median, latency_min_ms, latency_max_ms, tokens_per_s), as for the eager timings.
     """
     from modcli_runtime.bench import time_bundle as run
 

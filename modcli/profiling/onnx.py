@@ -8,45 +8,46 @@ PyTorch-free runtime with as many intra-op threads as PyTorch uses. What is time
 - decode: `--decode-tokens` steps of the decode graph, each followed by `CacheSpec.write_rows` (what one step of
   the runtime's generate costs), starting from the KV cache an (untimed) eager causal prefill of the same T tokens
   leaves, copied into numpy once, on the same new tokens as the eager decode; every call starts from that cache.
+
+onnxruntime itself is imported by modcli_runtime when the first session starts.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from modcli_runtime.bundle import CacheSpec, create_session, session_providers
+from modcli_runtime.timing import TimedCall, timed
 
+from modcli.bundle.lowering import MIN_OPSET, GraphSpec, decode_spec, export_onnx, export_program, forward_spec
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
+from modcli.profiling.calls import decode_tokens_for, input_tokens
+from modcli.profiling.config import ProfileConfig
 
 CPU = torch.device("cpu")
 
 
-def onnxruntime_calls(config, models: dict[str, MoDDecoder], seq_len: int,
-                      device: torch.device) -> dict[tuple[str, str], Callable]:
-    """(model name, forward|decode) -> a call returning {quantity: seconds}, for `_interleaved`."""
-    from modcli_runtime.bundle import CacheSpec, session_providers
-
-    from modcli.bundle.lowering import decode_spec, forward_spec
-    from modcli.profiling.profile import _tokens, decode_tokens_for
-
+def onnxruntime_calls(config: ProfileConfig, models: dict[str, MoDDecoder], seq_len: int,
+                      device: torch.device) -> dict[tuple[str, str], TimedCall]:
+    """(model name, forward|decode) -> its timed call through onnxruntime."""
     providers = session_providers("cuda" if device.type == "cuda" else "cpu")
     threads = torch.get_num_threads()
     batch = config.batch_size
-    calls: dict[tuple[str, str], Callable] = {}
+    calls: dict[tuple[str, str], TimedCall] = {}
     with tempfile.TemporaryDirectory(prefix="modcli-profile-onnx-") as tmp:  # a session keeps what it loaded
         folder = Path(tmp)
         for name, model in models.items():
             model.to("cpu").eval()  # exported and prefilled on the CPU, then back where it was
-            tokens = _tokens(model.config, batch, seq_len, config.seed, CPU)  # the eager calls' tokens
+            tokens = input_tokens(model.config, batch, seq_len, config.seed, CPU)  # the eager calls' tokens
             if "forward" in config.measure:
                 spec = forward_spec(model)
                 session = _session(spec, folder / f"{name}.forward.onnx", providers, threads)
-                calls[name, "forward"] = _forward_call(session, spec.input_names[0], tokens.numpy())
+                calls[name, "forward"] = _forward_call(session, {spec.input_names[0]: tokens.numpy()})
             if "decode" in config.measure:
                 spec = decode_spec(model, config.routing)
                 session = _session(spec, folder / f"{name}.decode.onnx", providers, threads)
@@ -67,27 +68,18 @@ def onnxruntime_calls(config, models: dict[str, MoDDecoder], seq_len: int,
     return calls
 
 
-def _session(spec, path: Path, providers: list[str], threads: int):
+def _session(spec: GraphSpec, path: Path, providers: list[str], threads: int):
     """Export `spec` to ONNX at `path` and open it in onnxruntime."""
-    from modcli_runtime.bundle import create_session
-
-    from modcli.bundle.lowering import MIN_OPSET, export_onnx, export_program
-
     export_onnx(spec, export_program(spec), path, MIN_OPSET)
     return create_session(path, providers, threads=threads)
 
 
-def _forward_call(session, input_name: str, tokens: np.ndarray) -> Callable[[], dict[str, float]]:
-    def call() -> dict[str, float]:
-        start = time.perf_counter()
-        session.run(None, {input_name: tokens})
-        return {"forward": time.perf_counter() - start}
-
-    return call
+def _forward_call(session, feeds: dict[str, np.ndarray]) -> TimedCall:
+    return timed("forward", lambda: session.run(None, feeds))
 
 
-def _decode_call(session, output_names: list[str], cache_spec, prefilled: DecoderCache, new_tokens: np.ndarray,
-                 steps: int) -> Callable[[], dict[str, float]]:
+def _decode_call(session, output_names: list[str], cache_spec: CacheSpec, prefilled: DecoderCache,
+                 new_tokens: np.ndarray, steps: int) -> TimedCall:
     """Decode steps from a prefilled cache, copied into numpy buffers with room for every step."""
     feeds: dict[str, np.ndarray] = {}
     start_lengths = {}

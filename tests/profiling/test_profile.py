@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -13,6 +14,7 @@ from modcli.cli import app
 from modcli.errors import UserError
 from modcli.models.decoder import MoDDecoder
 from modcli.profiling.profile import ProfileConfig, profile
+from modcli.profiling.report import tables
 from tests.conftest import tiny_model_config
 
 runner = CliRunner()
@@ -20,12 +22,23 @@ runner = CliRunner()
 TINY_FLAGS = ["--preset", "tiny", "--d-model", "32", "--n-layers", "4", "--n-heads", "4", "--capacity", "0.25",
               "--predictor-hidden", "16", "--batch-size", "2", "--repeats", "2", "--warmup", "0",
               "--decode-tokens", "4", "--device", "cpu"]
-TIMING_FIELDS = {"latency_ms", "latency_min_ms", "latency_max_ms", "tokens_per_s", "peak_mem_bytes", "compile_s",
-                 "graph_breaks"}
+STATISTICS = {"latency_ms", "latency_min_ms", "latency_max_ms", "tokens_per_s"}
+"""What every timing reports, eager, compiled, onnxruntime and --onnx alike (modcli_runtime.timing.latency_stats)."""
+TIMING_FIELDS = STATISTICS | {"peak_mem_bytes", "compile_s", "graph_breaks"}
 
 
 def invoke(*args: str):
     return runner.invoke(app, ["profile", *args])
+
+
+def rendered(result) -> str:
+    """The text of every table `modcli profile` prints for `result`."""
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    for table in tables(result):
+        console.print(table)
+    return console.export_text()
 
 
 def test_json_holds_every_field():
@@ -98,18 +111,26 @@ def test_profile_counts_forward_training_and_decode_flops_like_the_analytic_form
     assert row.baseline.decode_flops_counted_per_token == total // (batch * steps)  # attention included
     assert row.ratio["forward_flops"].measured == pytest.approx(row.ratio["forward_flops"].ideal)
     assert row.ratio["train_flops"].measured == pytest.approx(row.ratio["train_flops"].ideal)
+    text = rendered(result)
+    for label in ("forward latency ms", "training step latency ms", "prefill (router) latency ms",
+                  "decode step latency ms", "decode FLOPs/token (counted)", "KV cache MiB stored (24+3 tokens)"):
+        assert label in text
+    decode = row.model.decode
+    assert f"{decode.latency_ms:.2f} ({decode.latency_min_ms:.2f}-{decode.latency_max_ms:.2f})" in text
+    assert "speed, T" not in text and "onnxruntime" not in text  # eager only, no --onnx bundle
 
 
 @torch.no_grad()
 def test_fresh_routers_are_calibrated_with_the_causal_rule_at_each_length():
-    from modcli.profiling.profile import CALIBRATION_ROWS, CALIBRATION_SEED_OFFSET, _calibrate_routers, _tokens
+    from modcli.profiling.calls import input_tokens
+    from modcli.profiling.subjects import CALIBRATION_ROWS, CALIBRATION_SEED_OFFSET, calibrate_routers
 
     config = ProfileConfig(model=tiny_model_config(capacity=0.25), device="cpu", routing="router")
     model = MoDDecoder(config.model).eval()
     for seq_len in (32, 64):
-        _calibrate_routers(model, config, torch.device("cpu"), seq_len)
-        tokens = _tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET,
-                         torch.device("cpu"))
+        calibrate_routers(model, config, torch.device("cpu"), seq_len)
+        tokens = input_tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET,
+                              torch.device("cpu"))
         _, records = model(tokens, "router", return_records=True)  # causal: each block sees the blocks before it
         for record in records:
             share = record.selection.counts.sum().item() / tokens.numel()
@@ -196,7 +217,21 @@ def test_onnx_bundles_are_timed_beside_eager(trained_run, tmp_path_factory):
     assert result.exit_code == 0, result.output
     (entry,) = json.loads(result.stdout)["onnx"]
     assert entry["seq_len"] == 16 and entry["provider"] == "CPUExecutionProvider"
-    assert entry["forward"]["latency_ms"] > 0 and entry["decode"]["latency_ms"] > 0
+    for graph in ("forward", "decode"):  # the eager timings' statistics, by the same definitions
+        timing = entry[graph]
+        assert STATISTICS <= set(timing) and not {"min_ms", "p90_ms"} & set(timing)
+        assert 0 < timing["latency_min_ms"] <= timing["latency_ms"] <= timing["latency_max_ms"]
+    assert entry["forward"]["tokens_per_s"] == pytest.approx(2 * 16 / (entry["forward"]["latency_ms"] / 1e3))
+    assert entry["decode"]["tokens_per_s"] == pytest.approx(2 / (entry["decode"]["latency_ms"] / 1e3))
+
+    profiled = profile(ProfileConfig(checkpoint=str(trained_run), compare="none", onnx=[str(bundle), str(bundle)],
+                                     seq_lens=[16], batch_size=1, measure=["forward"], repeats=2, warmup=0,
+                                     memory=False, device="cpu"), quiet=True)
+    text = rendered(profiled)
+    assert "onnxruntime, batch 1: median (min-max) ms of 2 calls" in text and str(bundle) in text
+    first = profiled.onnx[0]["decode"]
+    assert f"{first['latency_ms']:.2f} ({first['latency_min_ms']:.2f}-{first['latency_max_ms']:.2f})" in text
+    assert text.count("1.000") >= 2  # the first bundle against itself, forward and decode
 
 
 def test_onnx_flag_needs_a_bundle(tmp_path):
