@@ -126,7 +126,8 @@ def eager_forward(model: MoDDecoder, tokens: torch.Tensor) -> tuple[np.ndarray, 
     from modcli.decode.graphs import selected_positions
 
     mode = model.capabilities.static_mode if model.capabilities is not None else None
-    logits, records = model(tokens, mode, return_records=True)
+    logits, aux = model(tokens, mode, return_aux=True)
+    records = aux.records
     return (logits.float().numpy(), [selected_positions(r.selection).numpy() for r in records],
             [r.router_logits.float().numpy() for r in records])
 

@@ -24,8 +24,8 @@ from safetensors.torch import load_model, save_model
 
 import modcli
 from modcli.config import ModelConfig
+from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
-from modcli.models.families import model_class
 from modcli.profiling.calls import decode_call, forward_call, input_tokens, train_call
 from modcli.profiling.config import ModelProfile, ProfileConfig, Timing
 
@@ -92,7 +92,7 @@ def memory_child() -> None:
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     model_config = ModelConfig(**spec["model"])
-    model = model_class(model_config.arch)(model_config)
+    model = build_model(model_config)
     load_model(model, spec["weights"])
     model = model.to(device).eval()
     tokens = input_tokens(model_config, spec["batch_size"], spec["seq_len"], spec["seed"], device)

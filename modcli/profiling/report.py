@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from modcli.models.families import architecture
+from modcli.models.families import DEFAULT_FAMILY, family
 from modcli.profiling.config import ModelProfile, ProfileResult, Ratio, SeqLenProfile, Timing
 from modcli.reports.console import human
 
@@ -158,7 +158,7 @@ def _table(result: ProfileResult, r: SeqLenProfile) -> Table:
     compared = result.baseline is not None
     m, b = r.model, r.baseline
     caption = [f"causal routing of prefill and decode: {result.routing}"] if m.decode else []
-    if m.decode and architecture(result.model.config.get("arch", "mod")).exit_decoding:
+    if m.decode and family(result.model.config.get("arch", DEFAULT_FAMILY)).exit_decoding:
         caption.append("decode step at full depth (no exit): modcli generate --exit-threshold / --speculative "
                        "measure decoding with exits")
     if result.model.routers_calibrated:

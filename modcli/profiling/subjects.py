@@ -18,8 +18,8 @@ from modcli.checkpoint.store import load_model_from
 from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.hardware import seed_everything
+from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
-from modcli.models.families import model_class
 from modcli.profiling.calls import input_tokens
 from modcli.profiling.config import ModelInfo, ProfileConfig
 
@@ -36,7 +36,7 @@ def load_subject(config: ProfileConfig, device: torch.device) -> tuple[MoDDecode
         return model, model_info(model, str(checkpoint), calibrated=False)
     model_config = config.model or ModelConfig()
     seed_everything(config.seed)
-    model = model_class(model_config.arch)(model_config).to(device).eval()
+    model = build_model(model_config).to(device).eval()
     return model, model_info(model, "config", calibrated=not model_config.dense)  # unless nothing to shift
 
 
@@ -59,7 +59,7 @@ def load_baseline(config: ProfileConfig, model: MoDDecoder, info: ModelInfo,
             if not mc.routed_layers() and not mc.noop_layers():
                 raise UserError(f"--compare moe: {info.source} is already MoE without MoD; compare it with dense")
         seed_everything(config.seed)
-        twin = model_class(twin_config.arch)(twin_config).to(device).eval()
+        twin = build_model(twin_config).to(device).eval()
         return twin, model_info(twin, f"{what} of {info.source}", calibrated=False)
     try:
         other, _, checkpoint = load_model_from(config.compare, device)
@@ -87,9 +87,8 @@ def calibrate_routers(model: MoDDecoder, config: ProfileConfig, device: torch.de
     """
     tokens = input_tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET, device)
     calibrated = False
-    count = len(model(tokens, config.routing, return_records=True)[1])
+    count = len(model(tokens, config.routing, return_aux=True)[1].records)
     for index in range(count):  # each router in order (MoD: routed blocks; Mixture-of-Recursions: steps)
-        _, records = model(tokens, config.routing, return_records=True)
-        record = records[index]
+        record = model(tokens, config.routing, return_aux=True)[1].records[index]
         calibrated |= record.router.calibrate(record, record.capacity)
     return calibrated
