@@ -68,7 +68,8 @@ def test_forward_wrapper_equals_the_model_topk_forward():
     wrapper = ForwardGraph(model)
     for length in (1, 3, 7, 8, 9, 32):
         tokens = torch.randint(0, 256, (2, length))
-        logits, records = model(tokens, "topk", return_records=True)
+        logits, aux = model(tokens, "topk", return_aux=True)
+        records = aux.records
         outputs = wrapper(tokens)
         torch.testing.assert_close(outputs[0], logits, atol=ATOL, rtol=0)
         for selected, record in zip(outputs[1:], records, strict=True):
@@ -158,7 +159,8 @@ def test_tied_router_scores_select_the_same_positions_in_eager_torch_export_and_
     model.blocks[0].router.score.bias.zero_()
     text = list(b'"""Tied scores at the k-th boundary."""\n')
     tokens = torch.tensor([text[:16], text[:8] + text[:8]])  # (2, 16): k = 2 of three tied quotes
-    logits, records = model(tokens, "topk", return_records=True)
+    logits, aux = model(tokens, "topk", return_aux=True)
+    records = aux.records
     eager = records[0].selection.selected_idx
     assert eager.tolist() == [[0, 1], [0, 1]]
 
@@ -238,7 +240,8 @@ def test_onnx_forward_graph_equals_pytorch_at_new_shapes(bundle, trained_run):
     for batch, length in ((1, 2), (3, 6), (2, 8), (4, 11), (2, 40)):  # 40 > seq_len: one graph for every T
         tokens = torch.randint(0, 256, (batch, length), generator=generator)
         with torch.no_grad():
-            logits, records = model(tokens, "topk", return_records=True)
+            logits, aux = model(tokens, "topk", return_aux=True)
+            records = aux.records
         onnx_logits, selected = runtime.forward(tokens.numpy())
         assert np.abs(onnx_logits - logits.numpy()).max() <= ATOL
         assert [s.tolist() for s in selected] == [r.selection.selected_idx.tolist() for r in records]
@@ -256,7 +259,8 @@ def test_onnx_decode_graph_equals_the_causal_forward(bundle, trained_run):
     # The briefly trained router skips this text and processes random bytes: rows and steps of both kinds.
     tokens = torch.stack([text, noise, torch.cat([text[:15], noise[15:]])])  # (3, 30)
     with torch.no_grad():
-        logits, records = model(tokens, "router", return_records=True)
+        logits, aux = model(tokens, "router", return_aux=True)
+        records = aux.records
     feeds = runtime.cache_spec.allocate(3, 30)
     assert feeds["keys.1"].shape[2] < 30  # routed buffers start small and grow by doubling in write_rows
     stepped, processed = [], []
@@ -323,7 +327,8 @@ def test_aot_inductor_package_runs_and_matches(tmp_path):
     model, _, _ = load_model_from(checkpoint)
     tokens = torch.randint(0, 256, (3, 21))
     with torch.no_grad():
-        logits, records = model(tokens, "topk", return_records=True)
+        logits, aux = model(tokens, "topk", return_aux=True)
+        records = aux.records
         outputs = package(tokens)
     torch.testing.assert_close(outputs[0], logits, atol=ATOL, rtol=0)
     assert torch.equal(outputs[1], records[0].selection.selected_idx)

@@ -131,7 +131,8 @@ def test_fresh_routers_are_calibrated_with_the_causal_rule_at_each_length():
         calibrate_routers(model, config, torch.device("cpu"), seq_len)
         tokens = input_tokens(model.config, CALIBRATION_ROWS, seq_len, config.seed + CALIBRATION_SEED_OFFSET,
                               torch.device("cpu"))
-        _, records = model(tokens, "router", return_records=True)  # causal: each block sees the blocks before it
+        _, aux = model(tokens, "router", return_aux=True)  # causal: each block sees the blocks before it
+        records = aux.records
         for record in records:
             share = record.selection.counts.sum().item() / tokens.numel()
             assert abs(share - 0.25) <= 1 / tokens.numel(), (seq_len, record.layer, share)
