@@ -11,10 +11,14 @@ Command line: `modcli-run BUNDLE --prompt "def "` (or `python -m modcli_runtime`
 from __future__ import annotations
 
 from modcli_runtime.bench import time_bundle
-from modcli_runtime.bundle import Bundle, BundleError, CacheSpec, load_bundle, read_manifest
+from modcli_runtime.bundle import Bundle, load_bundle, read_manifest
+from modcli_runtime.cache import CacheSpec
 from modcli_runtime.device import DeviceCache
-from modcli_runtime.generate import Generation, Utf8Stream, generate_tokens, sample
+from modcli_runtime.errors import BundleError, TokenizerError
+from modcli_runtime.generate import Generation, generate_tokens, sample
+from modcli_runtime.text import ByteTokenizer, JsonTokenizer, TextPieces, Utf8Stream
 
 __version__ = "0.1.0"
-__all__ = ["Bundle", "BundleError", "CacheSpec", "DeviceCache", "Generation", "Utf8Stream", "generate_tokens", "load_bundle",
-           "read_manifest", "sample", "time_bundle", "__version__"]
+__all__ = ["Bundle", "BundleError", "ByteTokenizer", "CacheSpec", "DeviceCache", "Generation", "JsonTokenizer",
+           "TextPieces", "TokenizerError", "Utf8Stream", "generate_tokens", "load_bundle", "read_manifest", "sample",
+           "time_bundle", "__version__"]
