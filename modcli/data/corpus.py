@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from modcli_runtime.text import JsonTokenizer, Tokenizer
 
 from modcli.config import DataConfig
-from modcli.data.tokenizer import JsonTokenizer, Tokenizer
 from modcli.errors import UserError, WriteFailed
 
 TOKENIZE_CHUNK_BYTES = 1 << 20
