@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 from modcli_runtime.bundle import sha256_of  # the one definition, shared with the PyTorch-free runtime
-from safetensors.torch import save_model
+from safetensors.torch import load_file, save_model
 
 from modcli.config import ModelConfig, RunConfig, check_config_values
 from modcli.errors import UserError, WriteFailed
 from modcli.models.decoder import MoDDecoder
+from modcli.models.families import model_class
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "COMPLETE"
@@ -349,8 +350,6 @@ def check_fits_in_memory(config: ModelConfig, bytes_per_parameter: int = 4) -> N
 def build_model(config: ModelConfig) -> MoDDecoder:
     """A freshly initialised model of the config's family (--arch, modcli.models.families) on the CPU; one that cannot
     be allocated is a UserError, not a traceback."""
-    from modcli.models.families import model_class
-
     check_fits_in_memory(config)
     try:
         return model_class(config.arch)(config)
@@ -372,8 +371,6 @@ LEGACY_NAMES = (
 def load_weights(model: MoDDecoder, checkpoint: Path) -> None:
     """Load model.safetensors into `model`, after checking the file against its marker and its shapes against the
     model; tensors named as before the router interface are renamed. Every mismatch is a one-line UserError."""
-    from safetensors.torch import load_file
-
     path = verify_file(checkpoint, "model.safetensors")
     safetensors_shapes(path)
     try:
