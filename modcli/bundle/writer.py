@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import re
 import shutil
@@ -60,6 +59,7 @@ from modcli.bundle.lowering import (
     write_cache_writer,
 )
 from modcli.bundle.validation import Check, validate_bundle, validation_providers, validation_text
+from modcli.checkpoint import atomic
 from modcli.checkpoint.lock import RunLock, sibling_lock_path
 from modcli.checkpoint.store import load_model_from
 from modcli.errors import UserError, WriteFailed
@@ -121,17 +121,6 @@ def _check_out(out: Path, force: bool) -> None:
                         "refusing to delete it")
 
 
-def _fsync_tree(folder: Path) -> None:
-    for child in folder.iterdir():
-        with open(child, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _file_entries(folder: Path) -> dict[str, dict[str, Any]]:
     return {p.name: {"sha256": sha256_of(p), "bytes": p.stat().st_size}
             for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
@@ -174,19 +163,9 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
 def _clean_stale(out: Path) -> list[str]:
     """What a killed export left next to --out (only called while holding its lock): a bundle displaced by --force
     is put back when nothing replaced it; temporary folders are removed. One note per folder."""
-    pattern = re.compile(rf"^\.(tmp|old)-{re.escape(out.name)}-\d+$")
-    notes = []
-    for path in sorted(out.parent.iterdir()):
-        match = pattern.match(path.name)
-        if match is None or not path.is_dir():
-            continue
-        if match.group(1) == "old" and not out.exists() and (path / "manifest.json").is_file():
-            os.replace(path, out)
-            notes.append(f"note: restored {out} from {path.name}, left by an interrupted export --force")
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-            notes.append(f"note: removed the stale temporary folder {path} (an interrupted export)")
-    return notes
+    return atomic.clean_stale(out.parent, re.escape(out.name), "manifest.json",
+                              {"tmp": "an interrupted export", "old": "an interrupted export"},
+                              restored="an interrupted export --force")
 
 
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
@@ -217,29 +196,15 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started
     model = model.to(TORCH_DTYPES[config.dtype]).eval()
     text = validation_text(config.text, model.config.vocab_size)
 
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
-            shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
-        result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()), providers,
-                               aoti_ok, aoti_reason, text, log)
-        _fsync_tree(tmp)
-        if out.exists():  # --force, checked above: swap, then remove the old bundle
-            old = out.parent / f".old-{out.name}-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            where = f" ({exc.filename})" if exc.filename else ""
-            raise WriteFailed(f"cannot write the bundle {out}: {exc.strerror or exc}{where}") from None
-        raise
+        with atomic.publish_folder(out) as tmp:  # an existing bundle (--force, checked above) is replaced
+            if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
+                shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
+            result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()),
+                                   providers, aoti_ok, aoti_reason, text, log)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise WriteFailed(f"cannot write the bundle {out}: {exc.strerror or exc}{where}") from None
     result.seconds = time.perf_counter() - started
     return result
 
