@@ -19,10 +19,11 @@ The bundle is a folder:
 - `config.json` (the checkpoint's run config) and `manifest.json` (files and sha256, versions, opset, inputs
   and outputs, the routing of each graph, validation results, `valid`).
 
-Everything is written to a temporary folder that is renamed into place at the end; a failure leaves nothing
-behind. Validation always runs: every graph against eager PyTorch (top-k forward on random tokens and real
-text at several T and B, selected positions and logits; greedy decoding against `modcli generate`'s PyTorch
-path, tokens, logits and per-layer processed counts). A failed check marks the bundle invalid.
+Everything is written to a temporary folder that is renamed into place at the end (modcli.checkpoint.atomic, as
+checkpoints are); a failure leaves nothing behind. Validation always runs: every graph against eager PyTorch (top-k
+forward on random tokens and real text at several T and B, selected positions and logits; greedy decoding against
+`modcli generate`'s PyTorch path, tokens, logits and per-layer processed counts). A failed check marks the bundle
+invalid.
 
 This module holds the orchestration and the bundle on disk; its config is modcli.bundle.config.ExportConfig, the
 graphs are built by modcli.bundle.lowering (over the wrappers in modcli.decode.graphs) and checked by
