@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from modcli_runtime.bundle import NUMPY_DTYPES, Bundle, load_bundle
+from modcli_runtime.bundle import Bundle, load_bundle
+from modcli_runtime.cache import NUMPY_DTYPES
 from modcli_runtime.timing import interleaved, latency_stats, timed
 
 

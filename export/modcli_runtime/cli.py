@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
-from modcli_runtime.bundle import PROVIDERS, BundleError, load_bundle
-from modcli_runtime.generate import Utf8Stream
+from modcli_runtime.bundle import PROVIDERS, load_bundle
+from modcli_runtime.errors import BundleError
+from modcli_runtime.text import TextPieces, Utf8Stream
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -43,12 +44,17 @@ def main(argv: list[str] | None = None) -> None:
         bundle = load_bundle(args.bundle, provider=args.provider, verify=not args.no_verify,
                              allow_invalid=args.allow_invalid, threads=args.threads)
         bundle.session("decode")  # a bundle that cannot decode says so before anything is written
-        stream = None
+        on_token = None
         if not args.json and len(prompts) == 1:
             sys.stdout.write(prompts[0])
-            stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), bundle.text)
+            stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+            pieces = TextPieces(bundle.text)
+
+            def on_token(row: int, token: int) -> None:
+                stream(row, pieces(token))
+
         result = bundle.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=stream)
+                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=on_token)
     except BundleError as exc:
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
         raise SystemExit(exc.exit_code) from None
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
                           "tokens_per_s": result.tokens_per_s, "processed_fraction": result.processed_fraction,
                           "provider": bundle.active_provider}))
         return
-    if stream is None:
+    if on_token is None:
         for prompt, text in zip(prompts, result.texts, strict=True):
             sys.stdout.write(f"{prompt}{text}\n---\n")
     else:

@@ -1,6 +1,6 @@
 """A KV cache that stays on the execution provider's device (CUDA), for `--provider cuda`. numpy + onnxruntime only.
 
-With numpy buffers (modcli_runtime.bundle.CacheSpec), onnxruntime's CPU provider reads the cache where it lies, but
+With numpy buffers (modcli_runtime.cache.CacheSpec), onnxruntime's CPU provider reads the cache where it lies, but
 the CUDA provider would copy every layer's whole cache from host to device at every step. Here the cache is held
 as onnxruntime OrtValues on the device instead, bound to the decode graph with I/O binding
 (`bind_ortvalue_input`), and the step's new rows come back as device OrtValues (`bind_output(name, "cuda")`); only
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from modcli_runtime.bundle import NUMPY_DTYPES, CacheSpec
+from modcli_runtime.cache import NUMPY_DTYPES, CacheSpec
 
 WRITER_GRAPH = "cache_write"
 """The bundle's graph that writes rows into a cache buffer in place (inputs cache, new_rows, rows, indices)."""

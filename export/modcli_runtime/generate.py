@@ -13,7 +13,6 @@ different lengths share one batch.
 
 from __future__ import annotations
 
-import codecs
 import math
 import time
 from collections.abc import Callable
@@ -21,7 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from modcli_runtime.bundle import BundleError, CacheSpec
+from modcli_runtime.cache import CacheSpec
+from modcli_runtime.errors import BundleError
+from modcli_runtime.text import ByteTokenizer, Tokenizer
 
 StepFunction = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
@@ -105,36 +106,9 @@ class Generation:
         return {f"block{layer}": sum(rows) / total for layer, rows in self.processed_tokens.items()}
 
 
-class ByteText:
-    """Bytes are tokens (vocabulary 256): the default of modcli runs."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
-
-
-class JsonText:
-    """A bundle's tokenizer.json (runs imported with `modcli import`), through the `tokenizers` library."""
-
-    def __init__(self, path) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise BundleError("this bundle has a tokenizer.json, which needs the `tokenizers` package") from None
-        self.tokenizer = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def encode_prompt(prompt: str | bytes | list[int], vocab_size: int, text: ByteText | JsonText | None = None
+def encode_prompt(prompt: str | bytes | list[int], vocab_size: int, text: Tokenizer | None = None
                   ) -> list[int]:
-    tokens = (text or ByteText()).encode(prompt) if isinstance(prompt, str) else list(prompt)
+    tokens = (text or ByteTokenizer()).encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise BundleError("--prompt must not be empty")
     if min(tokens) < 0 or max(tokens) >= vocab_size:
@@ -145,7 +119,7 @@ def encode_prompt(prompt: str | bytes | list[int], vocab_size: int, text: ByteTe
 def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str | bytes | list[int]], *,
                     vocab_size: int, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 1337, on_token: Callable[[int, int], None] | None = None,
-                    return_logits: bool = False, text: ByteText | JsonText | None = None) -> Generation:
+                    return_logits: bool = False, text: Tokenizer | None = None) -> Generation:
     """Run the decode graph `step` over a batch of prompts and sample `max_new_tokens` new tokens per prompt.
 
     `cache_spec` allocates the KV cache and stores each step's rows (`allocate`, `write_rows`): a CacheSpec (numpy
@@ -153,7 +127,7 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
     `on_token(row, token)` is called as soon as a token is sampled (streaming). `text` encodes string prompts and
     decodes the outputs (default: bytes).
     """
-    text = text or ByteText()
+    text = text or ByteTokenizer()
     if not prompts:
         raise BundleError("--prompt: give at least one prompt")
     if max_new_tokens < 1:
@@ -219,23 +193,3 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
         fed_tokens=[len(p) + max_new_tokens - 1 for p in encoded],
         logits=[np.stack(rows) for rows in kept_logits] if return_logits else None,
         cache_lengths={layer: cache_lengths[layer].tolist() for layer in range(cache_spec.n_layers)})
-
-
-class Utf8Stream:
-    """Writes one sequence's text as tokens arrive: bytes as soon as they form whole UTF-8 characters; with a
-    tokenizer.json, the new end of what the whole output decodes to."""
-
-    def __init__(self, write: Callable[[str], None], text: ByteText | JsonText | None = None) -> None:
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.write, self.text, self.ids, self.shown = write, text, [], ""
-
-    def __call__(self, row: int, token: int) -> None:
-        if isinstance(self.text, JsonText):
-            self.ids.append(token)
-            decoded = self.text.decode(self.ids)
-            piece = decoded[len(self.shown):] if decoded.startswith(self.shown) else ""
-            self.shown = decoded if piece else self.shown
-        else:
-            piece = self.decoder.decode(bytes([token]) if token < 256 else b"")
-        if piece:
-            self.write(piece)

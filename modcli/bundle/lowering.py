@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.export import Dim
 
+from modcli.decode.graphs import DecodeStepGraph, ForwardGraph
 from modcli.models.decoder import MoDDecoder
 
 MIN_OPSET = 18
@@ -56,10 +58,6 @@ class GraphSpec:
 
 
 def forward_spec(model: MoDDecoder) -> GraphSpec:
-    from torch.export import Dim
-
-    from modcli.decode.graphs import ForwardGraph
-
     config = model.config
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (2, 17), generator=generator)  # (B, T) odd T: no coincidences
@@ -76,10 +74,6 @@ def forward_spec(model: MoDDecoder) -> GraphSpec:
 
 
 def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
-    from torch.export import Dim
-
-    from modcli.decode.graphs import DecodeStepGraph
-
     config = model.config
     dtype = model.embed.weight.dtype
     generator = torch.Generator().manual_seed(0)
@@ -232,7 +226,7 @@ def aoti_supported() -> tuple[bool, str]:
 
 def compile_aoti(spec: GraphSpec, program: torch.export.ExportedProgram, path: Path) -> float:
     """AOTInductor package of an ExportedProgram for this machine's CPU at `path`; returns the compile seconds."""
-    from torch._inductor import aoti_compile_and_package
+    from torch._inductor import aoti_compile_and_package  # seconds to import; only --compile needs it
 
     start = time.perf_counter()
     try:

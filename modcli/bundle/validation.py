@@ -19,21 +19,26 @@ decides what the bundle's `valid` is.
 from __future__ import annotations
 
 import contextlib
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from modcli_runtime.bundle import Bundle, session_providers
+from modcli_runtime.cache import CacheSpec
+from modcli_runtime.errors import BundleError
+from modcli_runtime.generate import generate_tokens
 
+from modcli.bundle.config import ExportConfig
 from modcli.bundle.lowering import MIN_OPSET, GraphSpec
 from modcli.config import ModelConfig
+from modcli.decode.generation import prefill
+from modcli.decode.graphs import selected_positions
 from modcli.errors import UserError
+from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
-
-if TYPE_CHECKING:
-    from modcli.bundle.writer import ExportConfig
 
 
 @dataclass
@@ -71,8 +76,6 @@ def validation_lengths(config: ModelConfig) -> list[int]:
 
 def validation_text(path: str | None, vocab_size: int) -> np.ndarray:
     if path is None:
-        import textwrap
-
         raw = Path(textwrap.__file__).read_bytes()
     else:
         p = Path(path)
@@ -123,8 +126,6 @@ def decode_cases(config: ModelConfig, text: np.ndarray, seed: int) -> list[tuple
 def eager_forward(model: MoDDecoder, tokens: torch.Tensor) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
     """Logits (B, T, V), each routed block's selected positions (B, k; -1 in padding slots) and router logits
     (B, T), in the router's static mode (what the forward graph runs)."""
-    from modcli.decode.graphs import selected_positions
-
     mode = model.capabilities.static_mode if model.capabilities is not None else None
     logits, aux = model(tokens, mode, return_aux=True)
     records = aux.records
@@ -169,9 +170,6 @@ class EagerGeneration:
 @torch.no_grad()
 def eager_generation(model: MoDDecoder, prompts: list[list[int]], steps: int, routing: str) -> EagerGeneration:
     """`modcli generate`'s PyTorch path at temperature 0: its prefill, then `decode_step` with the KV cache."""
-    from modcli.decode.generation import prefill
-    from modcli.models.cache import DecoderCache
-
     device = torch.device("cpu")
     dtype = model.embed.weight.dtype
     cache = DecoderCache.allocate(model.config, len(prompts), max(map(len, prompts)) + steps, device, dtype)
@@ -228,8 +226,6 @@ def validate_bundle(folder: Path, model: MoDDecoder, specs: list[GraphSpec], con
                     providers: list[str], aoti: bool, text: np.ndarray) -> list[Check]:
     """Every graph written to `folder` against eager PyTorch: on onnxruntime for each of `providers`, and with
     --compile as ExportedProgram and (when `aoti`) AOTInductor package."""
-    from modcli_runtime.bundle import Bundle, BundleError, CacheSpec
-
     model_config = model.config
     dtype = model.embed.weight.dtype
     graphs = [spec.name for spec in specs]
@@ -258,7 +254,7 @@ def validate_bundle(folder: Path, model: MoDDecoder, specs: list[GraphSpec], con
         loaded = {s.name: torch.export.load(str(folder / f"{s.name}.pt2")).module() for s in specs}
         runners.append(("pt2", loaded))
         if aoti:
-            from torch._inductor import aoti_load_package
+            from torch._inductor import aoti_load_package  # seconds to import; only --compile needs it
 
             runners.append(("aoti-cpu", {s.name: aoti_load_package(str(folder / f"{s.name}.aoti.pt2")) for s in specs}))
         torch_spec = CacheSpec(model_config.n_layers, model_config.kv_heads, model_config.head_dim, "float32",
@@ -325,8 +321,6 @@ def _check_forward(model: MoDDecoder, runner_name: str, run: Callable[[np.ndarra
 
 def _check_decode(model: MoDDecoder, runner_name: str, step, cache_spec, cases: list[tuple[str, list[list[int]]]],
                   steps: int, routing: str, atol: float) -> list[Check]:
-    from modcli_runtime.generate import generate_tokens
-
     checks = []
     for case, prompts in cases:
         reference = eager_generation(model, prompts, steps, routing)
@@ -371,8 +365,6 @@ def _check_decode(model: MoDDecoder, runner_name: str, step, cache_spec, cases: 
 
 def validation_providers(provider: str) -> list[str]:
     """--provider -> the runtime providers to validate on; an unusable explicit one is a UserError."""
-    from modcli_runtime.bundle import BundleError, session_providers
-
     try:
         session_providers(provider)
     except BundleError as exc:

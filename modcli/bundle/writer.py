@@ -19,20 +19,21 @@ The bundle is a folder:
 - `config.json` (the checkpoint's run config) and `manifest.json` (files and sha256, versions, opset, inputs
   and outputs, the routing of each graph, validation results, `valid`).
 
-Everything is written to a temporary folder that is renamed into place at the end; a failure leaves nothing
-behind. Validation always runs: every graph against eager PyTorch (top-k forward on random tokens and real
-text at several T and B, selected positions and logits; greedy decoding against `modcli generate`'s PyTorch
-path, tokens, logits and per-layer processed counts). A failed check marks the bundle invalid.
+Everything is written to a temporary folder that is renamed into place at the end (modcli.checkpoint.atomic, as
+checkpoints are); a failure leaves nothing behind. Validation always runs: every graph against eager PyTorch (top-k
+forward on random tokens and real text at several T and B, selected positions and logits; greedy decoding against
+`modcli generate`'s PyTorch path, tokens, logits and per-layer processed counts). A failed check marks the bundle
+invalid.
 
-This module holds the config, the orchestration and the bundle on disk; the graphs are built by
-modcli.bundle.lowering (over the wrappers in modcli.decode.graphs) and checked by modcli.bundle.validation.
+This module holds the orchestration and the bundle on disk; its config is modcli.bundle.config.ExportConfig, the
+graphs are built by modcli.bundle.lowering (over the wrappers in modcli.decode.graphs) and checked by
+modcli.bundle.validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import re
 import shutil
@@ -44,10 +45,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from modcli_runtime.bundle import FORMAT, FORMAT_VERSION, sha256_of
 
+from modcli.bundle.config import ExportConfig
 from modcli.bundle.lowering import (
     CACHE_WRITE_NOTE,
-    MIN_OPSET,
     aoti_supported,
     compile_aoti,
     decode_spec,
@@ -58,74 +60,20 @@ from modcli.bundle.lowering import (
     write_cache_writer,
 )
 from modcli.bundle.validation import Check, validate_bundle, validation_providers, validation_text
+from modcli.checkpoint import atomic
 from modcli.checkpoint.lock import RunLock, sibling_lock_path
-from modcli.config import DTYPES, require
+from modcli.checkpoint.store import load_model_from
 from modcli.errors import UserError, WriteFailed
+from modcli.hardware import TORCH_DTYPES
 from modcli.models.decoder import MoDDecoder
+from modcli.models.families import ARCHITECTURES
 
-PROVIDERS = ("auto", "cpu", "cuda")
-GRAPHS = ("forward", "decode")
-DEFAULT_ATOL = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
-"""Default --atol per dtype: logits of the exported graph against eager PyTorch in the same dtype."""
 CACHE_UPDATE_NOTE = ("the graph only reads the cache and returns this step's K/V per layer as new_keys.L/new_values.L "
                      "(B, Hkv, 1, hd); the caller stores row b's at slot lengths.L[b] of its own buffers, in place, "
                      "and adds 1 to lengths.L[b]: for every row in every_row_layers, and only for rows with "
                      "processed.L[b] true in processed_row_layers (attention-routed layers)")
 PREFILL_NOTE = ("the prompt is fed through the decode graph one token per step (exactly the causal decisions of "
                 "`modcli generate`); there is no batched causal prefill graph")
-
-
-@dataclass
-class ExportConfig:
-    """What `modcli export` writes and how it is checked."""
-
-    checkpoint: str
-    """A run folder (its newest checkpoint) or one checkpoint folder."""
-    out: str = "bundles/latest"
-    """Bundle folder to write (must not exist unless --force)."""
-    onnx: bool = True
-    """Export the ONNX graphs (forward.onnx, decode.onnx) that the PyTorch-free runtime runs."""
-    compile: bool = False
-    """Also save torch.export ExportedPrograms (.pt2) and AOTInductor packages (.aoti.pt2) of both graphs."""
-    graphs: list[str] = field(default_factory=lambda: list(GRAPHS))
-    """Which graphs to export: forward (top-k, scoring) and/or decode (causal, what the runtime generates with)."""
-    routing: str | None = None
-    """Causal routing of the decode graph: a causal mode of the model's router (topk: router or predictor);
-    None = its first."""
-    dtype: str = "float32"
-    """Weights and activations of the exported graphs: float32, float16 or bfloat16."""
-    provider: str = "auto"
-    """onnxruntime providers to validate on: cpu, cuda, or auto (cpu, plus cuda when it really works)."""
-    opset: int = MIN_OPSET
-    """ONNX opset of the exported graphs (>= 18)."""
-    atol: float | None = None
-    """Largest |logit difference| against eager PyTorch; default 1e-4 (float32), 2e-2 (float16), 1e-1 (bfloat16)."""
-    decode_steps: int = 16
-    """Greedy tokens generated per prompt when the decode graph is compared with `modcli generate`."""
-    text: str | None = None
-    """Text file for the real-text validation cases; default: the standard library's textwrap.py."""
-    seed: int = 1337
-    """Seed of the random validation tokens."""
-    force: bool = False
-    """Replace an existing bundle at --out."""
-
-    def __post_init__(self) -> None:
-        require(self.onnx or self.compile, "nothing to export: give --onnx and/or --compile")
-        require(Path(self.out).name not in ("", ".."), f"--out must name a bundle folder, got {self.out!r}")
-        require(bool(self.graphs) and all(g in GRAPHS for g in self.graphs),
-                f"--graph must be among {', '.join(GRAPHS)}, got {', '.join(map(repr, self.graphs)) or 'none'}")
-        self.graphs = [g for g in GRAPHS if g in self.graphs]
-        require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        require(self.provider in PROVIDERS, f"--provider must be one of {', '.join(PROVIDERS)}, got {self.provider!r}")
-        require(not (self.onnx and self.dtype == "bfloat16"),
-                "--dtype bfloat16 cannot be exported to ONNX: onnxruntime has no bfloat16 kernels on the CPU provider "
-                "and TopK has no bfloat16 type at opset 18; use --dtype float16 or float32, or --no-onnx --compile "
-                "for a bfloat16 ExportedProgram/AOTInductor package")
-        require(self.opset >= MIN_OPSET, f"--opset must be >= {MIN_OPSET} for the dynamo exporter, got {self.opset}")
-        if self.atol is None:
-            self.atol = DEFAULT_ATOL[self.dtype] if self.dtype in DEFAULT_ATOL else 1e-4
-        require(self.atol > 0, f"--atol must be positive, got {self.atol}")
-        require(1 <= self.decode_steps <= 4096, f"--decode-steps must be in [1, 4096], got {self.decode_steps}")
 
 
 @dataclass
@@ -174,20 +122,7 @@ def _check_out(out: Path, force: bool) -> None:
                         "refusing to delete it")
 
 
-def _fsync_tree(folder: Path) -> None:
-    for child in folder.iterdir():
-        with open(child, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _file_entries(folder: Path) -> dict[str, dict[str, Any]]:
-    from modcli_runtime.bundle import sha256_of
-
     return {p.name: {"sha256": sha256_of(p), "bytes": p.stat().st_size}
             for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
 
@@ -199,14 +134,6 @@ def _versions() -> dict[str, str]:
 
     return {"torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
-
-
-def _require_runtime() -> None:
-    try:
-        import modcli_runtime  # noqa: F401
-    except ImportError:
-        raise UserError("the PyTorch-free runtime package modcli_runtime is not importable; reinstall modcli "
-                        "(pip install -e .) so that export/modcli_runtime is installed") from None
 
 
 def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> ExportResult:
@@ -237,28 +164,13 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
 def _clean_stale(out: Path) -> list[str]:
     """What a killed export left next to --out (only called while holding its lock): a bundle displaced by --force
     is put back when nothing replaced it; temporary folders are removed. One note per folder."""
-    pattern = re.compile(rf"^\.(tmp|old)-{re.escape(out.name)}-\d+$")
-    notes = []
-    for path in sorted(out.parent.iterdir()):
-        match = pattern.match(path.name)
-        if match is None or not path.is_dir():
-            continue
-        if match.group(1) == "old" and not out.exists() and (path / "manifest.json").is_file():
-            os.replace(path, out)
-            notes.append(f"note: restored {out} from {path.name}, left by an interrupted export --force")
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-            notes.append(f"note: removed the stale temporary folder {path} (an interrupted export)")
-    return notes
+    return atomic.clean_stale(out.parent, re.escape(out.name), "manifest.json",
+                              {"tmp": "an interrupted export", "old": "an interrupted export"},
+                              restored="an interrupted export --force")
 
 
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
-    from modcli.checkpoint.store import load_model_from
-    from modcli.hardware import TORCH_DTYPES
-    from modcli.models.families import ARCHITECTURES
-
     _check_out(out, config.force)
-    _require_runtime()
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
     family = ARCHITECTURES[model.config.arch]
     if not family.exportable:
@@ -285,29 +197,15 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started
     model = model.to(TORCH_DTYPES[config.dtype]).eval()
     text = validation_text(config.text, model.config.vocab_size)
 
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
-            shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
-        result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()), providers,
-                               aoti_ok, aoti_reason, text, log)
-        _fsync_tree(tmp)
-        if out.exists():  # --force, checked above: swap, then remove the old bundle
-            old = out.parent / f".old-{out.name}-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            where = f" ({exc.filename})" if exc.filename else ""
-            raise WriteFailed(f"cannot write the bundle {out}: {exc.strerror or exc}{where}") from None
-        raise
+        with atomic.publish_folder(out) as tmp:  # an existing bundle (--force, checked above) is replaced
+            if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
+                shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
+            result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()),
+                                   providers, aoti_ok, aoti_reason, text, log)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise WriteFailed(f"cannot write the bundle {out}: {exc.strerror or exc}{where}") from None
     result.seconds = time.perf_counter() - started
     return result
 
@@ -315,10 +213,6 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started
 def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder, run_config: dict[str, Any],
                   checkpoint: str, providers: list[str], aoti_ok: bool, aoti_reason: str, text: np.ndarray,
                   log: Callable[[str], None]) -> ExportResult:
-    from modcli_runtime.bundle import FORMAT, FORMAT_VERSION
-
-    from modcli.models.families import ARCHITECTURES
-
     model_config = model.config
     tokenizer = run_config["data"]["tokenizer"]
     (tmp / "config.json").write_text(json.dumps(run_config, indent=2))

@@ -1,1 +1,2 @@
-"""Checkpoints on disk: atomic step folders, loading with checks, the run lock."""
+"""Checkpoints on disk: atomic step folders (and the atomic publish that bundles share), loading with checks, the run
+lock."""

@@ -1,4 +1,5 @@
-"""Checkpoints: `step-NNNNNNNN/` folders written to a temporary folder, fsynced, then renamed into place.
+"""Checkpoints: `step-NNNNNNNN/` folders written to a temporary folder, fsynced, then renamed into place
+(modcli.checkpoint.atomic, which export bundles use too).
 
 A folder holds model.safetensors, optimizer.pt, config.json (the whole resolved run config), state.json
 (step, tokens, FLOPs, every rank's RNG states, the float16 loss scaler and the sampler state) and a COMPLETE
@@ -25,36 +26,25 @@ from typing import Any
 
 import torch
 from modcli_runtime.bundle import sha256_of  # the one definition, shared with the PyTorch-free runtime
-from safetensors.torch import save_model
+from safetensors.torch import load_file, save_model
 
+from modcli.checkpoint import atomic
 from modcli.config import ModelConfig, RunConfig, check_config_values
 from modcli.errors import UserError, WriteFailed
+from modcli.models.build import build_model, minimum_parameters
 from modcli.models.decoder import MoDDecoder
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "COMPLETE"
-TEMPORARY = re.compile(r"^\.(tmp|old|trash)-(step-\d{8})-\d+$")
-"""Folders a save works in: `.tmp-` (being written), `.old-` (a checkpoint being replaced by a new save of the
-same step), `.trash-` (a pruned checkpoint being deleted)."""
+STALE = {"tmp": "an interrupted save", "old": "a replaced checkpoint", "trash": "an interrupted clean-up"}
+"""Folders a save works in (modcli.checkpoint.atomic), and what leaves one behind: `.tmp-` (being written), `.old-`
+(a checkpoint being replaced by a new save of the same step), `.trash-` (a pruned checkpoint being deleted)."""
 VERIFIED_FILES = ("model.safetensors", "optimizer.pt")
 """Files checked against the sha256 in the marker when they are read. config.json and state.json are checked by
 their contents instead, so that a config.json edited by hand is judged by what it says."""
 SLOW_SAVE_ENV = "MODCLI_TEST_SLOW_SAVE"
 """Test hook, read from the environment only: seconds to pause before each step of a checkpoint save, so that a
-test can kill the writer at every moment of a save (tests/test_reliability.py)."""
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+test can kill the writer at every moment of a save (tests/checkpoint/test_reliability.py)."""
 
 
 def _pause() -> None:
@@ -75,45 +65,18 @@ def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state
     (and, for a step saved again, the earlier save of this step) as they were.
     """
     final = run_dir / f"step-{step:08d}"
-    tmp = run_dir / f".tmp-{final.name}-{os.getpid()}"
-    old = run_dir / f".old-{final.name}-{os.getpid()}"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        _pause()
-        tmp.mkdir()
-        _pause()
-        save_model(model, str(tmp / "model.safetensors"))
-        if optimizer_state is not None:
+        with atomic.publish_folder(final, marker=MARKER, pause=_pause) as tmp:  # the same step saved again: replaced
             _pause()
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-        _pause()
-        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-        _pause()
-        (tmp / "state.json").write_text(json.dumps(state, indent=2))
-        files = {}
-        for child in sorted(tmp.iterdir()):
-            _fsync_file(child)
-            files[child.name] = {"sha256": sha256_of(child), "bytes": child.stat().st_size}
-        _pause()
-        (tmp / MARKER).write_text(json.dumps({"complete": True, "files": files}, indent=2) + "\n")
-        _fsync_file(tmp / MARKER)
-        _fsync_dir(tmp)
-        _pause()
-        if final.exists():  # the same step saved again (a resumed run): swap, then remove the old one
-            os.replace(final, old)
+            save_model(model, str(tmp / "model.safetensors"))
+            if optimizer_state is not None:
+                _pause()
+                torch.save(optimizer_state, tmp / "optimizer.pt")
             _pause()
-            os.replace(tmp, final)
-            _fsync_dir(run_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-            _fsync_dir(run_dir)
+            (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+            _pause()
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not final.exists():
-            os.replace(old, final)
         if _is_write_error(exc):
             kept = complete_checkpoints(run_dir)
             intact = f"; the newest complete checkpoint, {kept[-1]}, is intact" if kept else ""
@@ -121,11 +84,8 @@ def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state
         raise
     _pause()
     for stale in complete_checkpoints(run_dir)[:-keep]:
-        trash = run_dir / f".trash-{stale.name}-{os.getpid()}"
         try:
-            os.replace(stale, trash)  # a kill while deleting must not leave a half-deleted "complete" folder
-            _pause()
-            shutil.rmtree(trash)
+            atomic.remove_folder(stale, pause=_pause)  # a kill while deleting leaves no half-deleted "complete" folder
         except OSError:
             pass  # pruning is tidying; the new checkpoint is saved
     return final
@@ -165,23 +125,7 @@ def clean_stale(run_dir: Path) -> list[str]:
     Call only while holding the run's lock (no save can be in progress). A displaced checkpoint (`.old-`) whose
     step has no folder is put back; every other temporary folder is deleted. Nothing named step-* is touched.
     """
-    notes: list[str] = []
-    if not run_dir.is_dir():
-        return notes
-    for path in sorted(run_dir.iterdir()):
-        match = TEMPORARY.match(path.name)
-        if match is None or not path.is_dir():
-            continue
-        kind, step_name = match.groups()
-        final = run_dir / step_name
-        if kind == "old" and (path / MARKER).is_file() and not final.exists():
-            os.replace(path, final)
-            notes.append(f"note: restored {final} from {path.name}, left by a save that was interrupted")
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        what = {"tmp": "an interrupted save", "old": "a replaced checkpoint", "trash": "an interrupted clean-up"}[kind]
-        notes.append(f"note: removed the stale temporary folder {path} ({what})")
-    return notes
+    return atomic.clean_stale(run_dir, r"step-\d{8}", MARKER, STALE, restored="a save that was interrupted")
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -317,51 +261,6 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def minimum_parameters(config: ModelConfig) -> int:
-    """A lower bound of a model's parameter count from its config (embedding, and each block's query and output
-    projections): enough to refuse absurd sizes before building anything."""
-    width = config.n_heads * config.head_dim
-    return config.vocab_size * config.d_model + config.n_layers * 2 * config.d_model * width
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the kernel says are available (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def check_fits_in_memory(config: ModelConfig, bytes_per_parameter: int = 4) -> None:
-    """Refuse (UserError) a model whose weights alone would not fit in the available memory."""
-    need = minimum_parameters(config) * bytes_per_parameter
-    available = available_memory()
-    if available is not None and need > available:
-        raise UserError(f"a model of --d-model {config.d_model}, --n-layers {config.n_layers}, --vocab-size "
-                        f"{config.vocab_size} needs at least {need / 2**30:,.1f} GiB for its weights, more than the "
-                        f"{available / 2**30:,.1f} GiB of memory available")
-
-
-def build_model(config: ModelConfig) -> MoDDecoder:
-    """A freshly initialised model of the config's family (--arch, modcli.models.families) on the CPU; one that cannot
-    be allocated is a UserError, not a traceback."""
-    from modcli.models.build import build_model as build
-
-    check_fits_in_memory(config)
-    try:
-        return build(config)
-    except (MemoryError, torch.OutOfMemoryError) as exc:
-        raise UserError(f"the model does not fit in memory ({_one_line(exc)})") from None
-    except RuntimeError as exc:
-        if "alloc" not in str(exc).lower():
-            raise
-        raise UserError(f"the model does not fit in memory ({_one_line(exc)})") from None
-
-
 LEGACY_NAMES = (
     # Before routers were pluggable (modcli.models.routing), a routed block held its router and predictor directly.
     (re.compile(r"^(blocks\.\d+)\.router\.(weight|bias)$"), r"\1.router.score.\2"),
@@ -372,8 +271,6 @@ LEGACY_NAMES = (
 def load_weights(model: MoDDecoder, checkpoint: Path) -> None:
     """Load model.safetensors into `model`, after checking the file against its marker and its shapes against the
     model; tensors named as before the router interface are renamed. Every mismatch is a one-line UserError."""
-    from safetensors.torch import load_file
-
     path = verify_file(checkpoint, "model.safetensors")
     safetensors_shapes(path)
     try:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from modcli_runtime.text import JsonTokenizer, Tokenizer
 
+from modcli.checkpoint import atomic
 from modcli.config import DataConfig
-from modcli.data.tokenizer import JsonTokenizer, Tokenizer
 from modcli.errors import UserError, WriteFailed
 
 TOKENIZE_CHUNK_BYTES = 1 << 20
@@ -39,17 +40,6 @@ def _is_validation(relative_path: str, val_fraction: float) -> bool:
     """Deterministic split by file: a hash of the relative path, the same on every machine."""
     digest = hashlib.sha256(relative_path.encode()).digest()
     return int.from_bytes(digest[:4], "big") / 2**32 < val_fraction
-
-
-def _write_atomically(path: Path, chunks: list[bytes]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _memmap(path: Path) -> np.ndarray:
@@ -73,8 +63,8 @@ def _folder_split(root: Path, files: list[Path], val_fraction: float, tag: str) 
         for f in files:
             chunks = val_chunks if _is_validation(f.relative_to(root).as_posix(), val_fraction) else train_chunks
             chunks += [f.read_bytes(), FILE_SEPARATOR]
-        _write_atomically(val_path, val_chunks)
-        _write_atomically(train_path, train_chunks)
+        atomic.write_file(val_path, val_chunks)
+        atomic.write_file(train_path, train_chunks)
     return _memmap(train_path), _memmap(val_path)
 
 
@@ -137,7 +127,7 @@ def _tokenized(text: np.ndarray, tokenizer: JsonTokenizer) -> np.ndarray:
             start = end
         encoded = tokenizer.tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
         ids = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encoded]) if encoded else np.zeros(0, dtype)
-        _write_atomically(path, [ids.tobytes()])
+        atomic.write_file(path, [ids.tobytes()])
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")

@@ -1,59 +1,23 @@
-"""Tokenizers: bytes (the default: token = byte, vocabulary 256) or a Hugging Face `tokenizer.json` read with the
-`tokenizers` library (imported runs, `modcli import`). A run names its tokenizer in `DataConfig.tokenizer`:
+"""The run's tokenizer: bytes (the default: token = byte, vocabulary 256) or a Hugging Face `tokenizer.json` read with
+the `tokenizers` library (imported runs, `modcli import`). A run names its tokenizer in `DataConfig.tokenizer`:
 "bytes", or the path of a tokenizer.json relative to the run folder (or absolute).
+
+The tokenizers are the PyTorch-free runtime's (modcli_runtime.text), so a run and its exported bundle read text
+through the same code; `modcli tokenizer train` is modcli.data.tokenizer_training.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
+from modcli_runtime.errors import TokenizerError
+from modcli_runtime.text import BYTES, ByteTokenizer, JsonTokenizer, Tokenizer
+
+from modcli.data.tokenizer_training import TokenizerTrainConfig, TokenizerTrainResult, train_tokenizer
 from modcli.errors import UserError
 
-BYTES = "bytes"
-
-
-class Tokenizer(Protocol):
-    name: str
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class ByteTokenizer:
-    """Token = byte of the UTF-8 text (vocabulary 256); bytes that are not valid UTF-8 decode to U+FFFD."""
-
-    name = BYTES
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class JsonTokenizer:
-    """A Hugging Face tokenizer.json (BPE, Unigram, WordPiece...) through the `tokenizers` library."""
-
-    def __init__(self, path: Path) -> None:
-        try:
-            from tokenizers import Tokenizer as HFTokenizer
-        except ImportError:
-            raise UserError("this run uses a tokenizer.json, which needs the `tokenizers` package: "
-                            "pip install tokenizers") from None
-        try:
-            self.tokenizer = HFTokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises its own exception type for unreadable files
-            raise UserError(f"{path}: not a readable tokenizer.json ({exc})") from None
-        self.name = str(path)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+__all__ = ["BYTES", "ByteTokenizer", "JsonTokenizer", "Tokenizer", "TokenizerTrainConfig", "TokenizerTrainResult",
+           "load_tokenizer", "train_tokenizer"]
 
 
 def load_tokenizer(spec: str, run_dir: Path | None = None) -> Tokenizer:
@@ -65,64 +29,7 @@ def load_tokenizer(spec: str, run_dir: Path | None = None) -> Tokenizer:
         path = run_dir / path
     if not path.is_file():
         raise UserError(f"the run's tokenizer {spec!r} is missing: no file {path}")
-    return JsonTokenizer(path)
-
-
-@dataclass
-class TokenizerTrainConfig:
-    """What `modcli tokenizer train` learns from and writes."""
-
-    vocab_size: int = 4096
-    """Tokens in the vocabulary, the 256 byte tokens included."""
-    data: str | None = None
-    """A text file or folder; None = the built-in corpus."""
-    glob: str = "**/*"
-    """File pattern when --data is a folder."""
-    max_bytes: int = 50_000_000
-    """At most this many bytes of the training split are used."""
-    out: str = "tokenizer.json"
-    """The tokenizer.json to write (refused if it exists)."""
-
-    def __post_init__(self) -> None:
-        if not 257 <= self.vocab_size <= 2**32:
-            raise UserError(f"--vocab-size must be in [257, 2**32], got {self.vocab_size}")
-        if self.max_bytes < 1:
-            raise UserError(f"--max-bytes must be >= 1, got {self.max_bytes}")
-
-
-@dataclass
-class TokenizerTrainResult:
-    out: str
-    vocab_size: int
-    bytes: int
-    corpus: str
-    bytes_per_token: float
-    """Bytes per token of the validation split: how much the tokenizer compresses unseen text."""
-
-
-def train_tokenizer(config: TokenizerTrainConfig) -> TokenizerTrainResult:
-    """A byte-level BPE (every byte is a token, so any text encodes) trained on the corpus' training split."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from modcli.config import DataConfig
-    from modcli.data.corpus import load_corpus
-
-    out = Path(config.out)
-    if out.exists():
-        raise UserError(f"--out {out} exists; pick another path")
-    corpus = load_corpus(DataConfig(data=config.data, glob=config.glob), seq_len=2)
-    raw = bytes(corpus.train[:config.max_bytes])
-    lines = raw.decode("utf-8", errors="replace").splitlines(keepends=True)
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(lines, trainer, length=len(lines))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out))
-    validation = bytes(corpus.val[:1_000_000]).decode("utf-8", errors="replace")
-    n_tokens = max(1, len(tokenizer.encode(validation).ids))
-    return TokenizerTrainResult(str(out), tokenizer.get_vocab_size(), len(raw), corpus.description,
-                                len(validation.encode("utf-8")) / n_tokens)
+    try:
+        return JsonTokenizer(path)
+    except TokenizerError as exc:
+        raise UserError(str(exc)) from None

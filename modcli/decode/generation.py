@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import codecs
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from modcli_runtime.generate import sampling_uniforms
+from modcli_runtime.text import TextPieces, Utf8Stream  # noqa: F401 (Utf8Stream: `modcli generate` streams with it)
 from torch import Tensor
 
 from modcli.checkpoint.store import load_model_from
@@ -263,36 +263,3 @@ def _exit_fields(stats, batch: int) -> dict:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-class TextPieces:
-    """One row's output as it grows, as UTF-8 bytes: a byte token is its byte; with a tokenizer.json, the text the
-    whole row decodes to now, less what was already given (a token can complete a character begun before)."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer, self.ids, self.text = tokenizer, [], ""
-
-    def __call__(self, token: int) -> bytes:
-        if isinstance(self.tokenizer, ByteTokenizer):
-            return bytes([token]) if token < 256 else b""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if not text.startswith(self.text):  # a decoder that rewrites earlier text: wait until it settles
-            return b""
-        piece, self.text = text[len(self.text):], text
-        return piece.encode("utf-8")
-
-
-class Utf8Stream:
-    """Writes bytes of one sequence as text as soon as they form whole UTF-8 characters, after `prefix`."""
-
-    def __init__(self, write: Callable[[str], None], prefix: str = "") -> None:
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.write = write
-        self.prefix = prefix  # the prompt, written with the first token so that notes on stderr come before it
-
-    def __call__(self, row: int, data: bytes) -> None:
-        text = self.prefix + self.decoder.decode(data)
-        self.prefix = ""
-        if text:
-            self.write(text)

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from modcli.checkpoint.store import complete_checkpoints, save_checkpoint
 from modcli.config import DataConfig, RunConfig, TrainConfig, require
 from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES
+from modcli.models.decoder import MoDDecoder
 from modcli.pretrained.adapters import ADAPTERS
 
 
@@ -53,10 +55,6 @@ class ImportResult:
 
 def import_model(config: ImportConfig) -> ImportResult:
     """Import `config.source` into `config.out`; every user mistake is a UserError and nothing is written then."""
-    from safetensors import safe_open
-
-    from modcli.models.decoder import MoDDecoder
-
     source, out = Path(config.source), Path(config.out)
     if not source.is_dir():
         raise UserError(f"no such model folder: {source}")
@@ -112,8 +110,6 @@ def _read_json(path: Path) -> dict:
 
 def _weight_files(source: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (a single file, or the shards of an index)."""
-    from safetensors import safe_open
-
     index = source / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map", {})

@@ -27,7 +27,6 @@ from torch.distributed.tensor import DTensor
 
 from modcli.checkpoint.lock import RunLock, run_lock_path
 from modcli.checkpoint.store import (
-    build_model,
     check_config_values,
     check_weights_file,
     clean_stale,
@@ -46,6 +45,7 @@ from modcli.data.corpus import BatchSampler, Corpus, evaluation_batches, load_co
 from modcli.data.tokenizer import load_tokenizer
 from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.hardware import autocast, seed_everything
+from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
 from modcli.models.flops import training_flops
 from modcli.reports.console import MetricsLog, StepProgress, stderr_console

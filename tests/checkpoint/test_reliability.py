@@ -330,6 +330,62 @@ def test_a_failed_bundle_write_is_one_line_and_leaves_nothing(trained_run, tmp_p
     assert list(tmp_path.iterdir()) == []  # no bundle, no temporary folder, no lock
 
 
+# ----------------------------------------------------------------------------------------------- the atomic publish
+
+
+def test_a_published_folder_replaces_the_old_one_whole_or_not_at_all(tmp_path, monkeypatch):
+    """modcli.checkpoint.atomic, which checkpoints and bundles are written through."""
+    import hashlib
+
+    from modcli.checkpoint import atomic
+
+    final = tmp_path / "folder"
+    with atomic.publish_folder(final, marker="COMPLETE") as tmp:
+        (tmp / "a.bin").write_bytes(b"first")
+    marker = json.loads((final / "COMPLETE").read_text())
+    assert marker == {"complete": True, "files": {"a.bin": {"sha256": hashlib.sha256(b"first").hexdigest(),
+                                                            "bytes": 5}}}
+
+    with pytest.raises(RuntimeError, match="killed"), atomic.publish_folder(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"half")
+        raise RuntimeError("killed")
+    assert (final / "a.bin").read_bytes() == b"first" and [p.name for p in tmp_path.iterdir()] == ["folder"]
+
+    real_replace = os.replace
+
+    def fails_to_move_the_new_folder_in(source, target):
+        if Path(source).name.startswith(".tmp-"):
+            raise OSError(errno.EIO, "Input/output error", str(target))
+        real_replace(source, target)
+
+    monkeypatch.setattr(atomic.os, "replace", fails_to_move_the_new_folder_in)  # after the old one moved aside
+    with pytest.raises(OSError, match="Input/output error"), atomic.publish_folder(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"second")
+    monkeypatch.undo()
+    assert (final / "a.bin").read_bytes() == b"first" and [p.name for p in tmp_path.iterdir()] == ["folder"]
+
+    with atomic.publish_folder(final) as tmp:
+        (tmp / "a.bin").write_bytes(b"second")
+    assert [p.name for p in final.iterdir()] == ["a.bin"] and (final / "a.bin").read_bytes() == b"second"
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"]
+
+
+def test_what_a_killed_export_left_is_removed_and_a_displaced_bundle_is_put_back(tmp_path):
+    from modcli.bundle.writer import _clean_stale
+
+    out = tmp_path / "bundle"
+    (tmp_path / ".tmp-bundle-123").mkdir()
+    (tmp_path / ".old-bundle-123").mkdir()  # killed between the two renames of an export --force
+    (tmp_path / ".old-bundle-123" / "manifest.json").write_text("{}")
+    (tmp_path / ".tmp-other-123").mkdir()  # another bundle's: not this export's business
+    notes = _clean_stale(out)
+    assert notes == [f"note: restored {out} from .old-bundle-123, left by an interrupted export --force",
+                     f"note: removed the stale temporary folder {tmp_path / '.tmp-bundle-123'} (an interrupted "
+                     "export)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-other-123", "bundle"]
+    assert (out / "manifest.json").is_file()
+
+
 # ----------------------------------------------------------------------------------------------- divergence
 
 

@@ -148,10 +148,22 @@ def test_runtime_refuses_damaged_or_invalid_bundles(bundle, tmp_path):
         load_bundle(invalid)
     assert load_bundle(invalid, allow_invalid=True).generate(["a"], max_new_tokens=2, temperature=0).steps == 2
 
+    unreadable = tmp_path / "unreadable-tokenizer"
+    shutil.copytree(bundle, unreadable)
+    manifest = json.loads((unreadable / "manifest.json").read_text())
+    manifest["model"]["tokenizer"] = "tokenizer.json"
+    (unreadable / "manifest.json").write_text(json.dumps(manifest))
+    (unreadable / "tokenizer.json").write_text("{}")
+    with pytest.raises(BundleError, match="tokenizer.json: not a readable tokenizer.json"):
+        load_bundle(unreadable, verify=False)
+
     result = run_without_torch(str(tmp_path / "nowhere"), "--prompt", "x")
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
     result = run_without_torch(str(invalid), "--prompt", "x")
     assert result.returncode == 2 and "--allow-invalid" in result.stderr
+    result = run_without_torch(str(unreadable), "--no-verify", "--prompt", "x")
+    assert result.returncode == 2 and "not a readable tokenizer.json" in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
 def test_time_bundle_reports_latencies_for_profile(bundle):
