@@ -146,17 +146,17 @@ def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, 
 
 
 def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path, corpus_file, monkeypatch):
-    import modcli.training.loop
+    import modcli.sweep.runner
     from modcli.errors import TrainingDiverged
 
-    real_train = modcli.training.loop.train
+    real_train = modcli.sweep.runner.train
 
     def diverge_mod_runs(config, quiet=False):
         if not config.model.dense:
             raise TrainingDiverged("training diverged: the loss became nan at step 3")
         return real_train(config, quiet)
 
-    monkeypatch.setattr(modcli.training.loop, "train", diverge_mod_runs)
+    monkeypatch.setattr(modcli.sweep.runner, "train", diverge_mod_runs)
     grid = write_grid(tmp_path / "grid.toml", corpus_file)
     result = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
