@@ -1,70 +1,33 @@
-"""Pieces shared by the subcommands: error handling, consoles, common option types."""
+"""Pieces shared by the subcommands: the wrapper every command runs in (errors as one line), the consoles."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+import modcli
 from modcli.errors import ReportedError
 
 stdout = Console()
 stderr = Console(stderr=True)
 
-Device = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
-Dtype = Annotated[str, typer.Option(help="Autocast dtype: float32, bfloat16 or float16.")]
-Json = Annotated[bool, typer.Option("--json", help="Print exactly one JSON object on stdout.")]
 
-# Model flags shared by `train` and `profile` (a fresh model's shape and routing).
-Capacity = Annotated[Optional[float], typer.Option(help="Fraction of tokens a routed block processes.")]
-RouteEvery = Annotated[Optional[int], typer.Option(help="Route every N-th block (2 = every other).")]
-RouteOffset = Annotated[Optional[int], typer.Option(help="Index of the first routed block.")]
-Router = Annotated[Optional[str], typer.Option(
-    help="Router kind: topk, random, threshold, attention (A-MoD) or integrated (MoDE with no-op experts).")]
-RouterWeight = Annotated[Optional[str], typer.Option(help="sigmoid, identity or none.")]
-RouterHidden = Annotated[Optional[int], typer.Option(help="MLP router width (0 = linear).")]
-Threshold = Annotated[Optional[float], typer.Option(
-    help="threshold router: process a token when sigmoid(logit) > this (default 0.5).")]
-CapacityMax = Annotated[Optional[float], typer.Option(
-    help="threshold router: most tokens kept in static shapes (default 2 x capacity).")]
-RouteLayers = Annotated[Optional[str], typer.Option(
-    help="Route exactly these blocks, comma-separated (e.g. 1,3,5), instead of --route-every.")]
-RoutePart = Annotated[Optional[str], typer.Option(
-    help="What routing skips: block (attention and MLP), attention or mlp.")]
-Experts = Annotated[Optional[int], typer.Option(
-    help="Mixture-of-experts MLP with this many experts in every block (0 = the dense MLP).")]
-ExpertTopK = Annotated[Optional[int], typer.Option(help="Experts each token chooses (token choice, default 1).")]
-ExpertCapacityFactor = Annotated[Optional[float], typer.Option(
-    help="Training only: expert slots per sequence = factor x tokens x top-k / experts (default 1.25).")]
-NoopExperts = Annotated[Optional[int], typer.Option(
-    help="--router integrated (integrated MoDE): no-op experts in the routed blocks' MoE.")]
-PredictorHidden = Annotated[Optional[int], typer.Option(help="Causal predictor width (0 = none).")]
-Arch = Annotated[Optional[str], typer.Option(
-    help="Model family: mod (Mixture-of-Depths, default; dense with --dense), early-exit (LayerSkip) or recursion "
-         "(Mixture-of-Recursions).")]
-Recursions = Annotated[Optional[int], typer.Option(
-    help="--arch recursion: times the shared stack runs; --n-layers = 2 + recursions x shared blocks (default 3).")]
-RecursionCapacities = Annotated[Optional[str], typer.Option(
-    help="--arch recursion: share of tokens each step keeps, comma-separated, non-increasing (default 1,0.67,0.33).")]
-LayerDropoutMax = Annotated[Optional[float], typer.Option(
-    help="--arch early-exit: layer dropout of the last block, rising linearly from 0 at the first (default 0.1).")]
-ExitLossScale = Annotated[Optional[float], typer.Option(
-    help="--arch early-exit: weight of the exit losses (per block, rising with depth) beside the final loss "
-         "(default 0.5).")]
-
-
-def user_errors(command):
-    """Turn a ReportedError (a user's mistake: exit 2; a diverged run: 3; a failed write: 1) into one red line on
-    stderr and its exit code, no traceback. Any other exception is an internal failure and keeps its traceback."""
+def subcommand(command):
+    """What every subcommand runs in. First the CPU allocator is tuned, before the command makes a tensor (steady
+    CPU step times: modcli.hardware.tune_cpu_allocator); here rather than in `main`, because modcli.hardware
+    imports torch and `modcli --help` should not wait for it. Then a ReportedError (a user's mistake: exit 2; a
+    diverged run: 3; a failed write: 1) becomes one red line on stderr and its exit code, no traceback. Any other
+    exception is an internal failure and keeps its traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        modcli.tune_cpu_allocator()
         try:
             return command(*args, **kwargs)
         except Exception as exc:

@@ -1,38 +1,36 @@
-"""`modcli eval`: one table per routing mode, and the causal rules' agreement with top-k."""
+"""`modcli eval`: flags -> EvalConfig -> modcli.evaluate -> one table per routing mode, and the causal rules'
+agreement with top-k."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
-from modcli.commands.common import Device, Dtype, Json, stdout, user_errors
+import modcli
+from modcli.commands import options
+from modcli.commands.common import stdout, subcommand
+from modcli.reports.console import print_json
 
 
-@user_errors
+@subcommand
 def eval_command(
-    checkpoint: Annotated[str, typer.Argument(help="Run folder (newest checkpoint) or checkpoint folder.")],
-    data: Annotated[Optional[str], typer.Option(help="Evaluate on this corpus instead of the training one.")] = None,
-    glob: Annotated[str, typer.Option(help="File pattern when --data is a folder.")] = "**/*",
-    routing: Annotated[Optional[list[str]], typer.Option(
-        help="A mode of the model's router, e.g. topk, router, predictor (repeat; default all).")] = None,
-    batches: Annotated[int, typer.Option(help="Validation batches.")] = 16,
-    batch_size: Annotated[int, typer.Option(help="Sequences per batch.")] = 8,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    json_output: Json = False,
+    ctx: typer.Context,
+    checkpoint: options.Checkpoint,
+    data: options.Data = None,
+    glob: options.Glob = None,
+    routing: options.RoutingModes = None,
+    batches: options.Batches = None,
+    batch_size: options.BatchSize = None,
+    device: options.Device = None,
+    dtype: options.Dtype = None,
+    json_output: options.Json = False,
 ) -> None:
     """Validation loss, bits per byte and perplexity under each routing mode (non-causal ones as a reference)."""
-    from rich.table import Table
-
-    from modcli.evaluation.perplexity import EvalConfig, evaluate
-
-    result = evaluate(EvalConfig(checkpoint=checkpoint, data=data, glob=glob, routing=routing or [], batches=batches,
-                                 batch_size=batch_size, device=device, dtype=dtype))
+    result = modcli.evaluate(options.build(modcli.EvalConfig, options.given(ctx)))
     if json_output:
-        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     table = Table(title=f"{result.checkpoint} ({result.kind}) on {result.corpus} ({result.tokens:,} tokens)")
@@ -52,8 +50,6 @@ def eval_command(
 
 def _exit_table(result):
     """Early exit: the loss of the exit after each block (causal), the last being the model's."""
-    from rich.table import Table
-
     table = Table(title="early exits: the shared final norm and head after each block (causal)")
     for column in ("exit after", "loss", "bits/byte", "perplexity"):
         table.add_column(column, justify="right")
@@ -67,8 +63,6 @@ def _exit_table(result):
 
 def _agreement_table(result):
     """The router's statistics per routed block (for topk: the causal rules against top-k)."""
-    from rich.table import Table
-
     first = next(iter(next(iter(result.agreement.values())).values()))
     columns = list(first)
     title = ("causal rules against top-k (per routed block)" if "accuracy" in first

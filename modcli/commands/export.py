@@ -1,51 +1,41 @@
-"""`modcli export`: flags -> ExportConfig -> modcli.bundle.writer.export -> validation table, op histograms, sizes."""
+"""`modcli export`: flags -> ExportConfig -> modcli.export -> validation table, op histograms, sizes."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
-from modcli.commands.common import Json, stderr, stdout, user_errors
+import modcli
+from modcli.commands import options
+from modcli.commands.common import stderr, stdout, subcommand
+from modcli.reports.console import print_json
 
 
-@user_errors
+@subcommand
 def export(
-    checkpoint: Annotated[str, typer.Argument(help="Run folder (newest checkpoint) or checkpoint folder.")],
-    out: Annotated[str, typer.Option(help="Bundle folder to write.")] = "bundles/latest",
-    onnx: Annotated[bool, typer.Option("--onnx/--no-onnx", help="Export ONNX graphs (what modcli-run runs).")] = True,
-    compile: Annotated[bool, typer.Option(
-        "--compile", help="Also write torch.export .pt2 programs and AOTInductor packages (slow: a C++ compile).")] = False,
-    graph: Annotated[Optional[list[str]], typer.Option(
-        help="forward (top-k, non-causal) and/or decode (causal, KV cache); repeat; default both.")] = None,
-    routing: Annotated[Optional[str], typer.Option(
-        help="Causal routing of the decode graph (topk router: router or predictor); default the router's first.")] = None,
-    dtype: Annotated[str, typer.Option(
-        help="Weights and activations of the graphs: float32, float16 (bfloat16 only with --no-onnx --compile).")
-    ] = "float32",
-    provider: Annotated[str, typer.Option(help="onnxruntime provider to validate on: auto, cpu or cuda.")] = "auto",
-    opset: Annotated[int, typer.Option(help="ONNX opset (>= 18).")] = 18,
-    atol: Annotated[Optional[float], typer.Option(
-        help="Largest |logit difference| against eager PyTorch (default 1e-4 for float32).")] = None,
-    decode_steps: Annotated[int, typer.Option(help="Greedy steps compared with modcli generate.")] = 16,
-    text: Annotated[Optional[str], typer.Option(help="Text file for the real-text checks (default: stdlib textwrap.py).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the random validation tokens.")] = 1337,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle at --out.")] = False,
-    json_output: Json = False,
+    ctx: typer.Context,
+    checkpoint: options.Checkpoint,
+    out: options.Out = None,
+    onnx: options.OnnxGraphs = None,
+    compile: options.Compile = None,
+    graphs: options.Graphs = None,
+    routing: options.Routing = None,
+    dtype: options.Dtype = None,
+    provider: options.Provider = None,
+    opset: options.Opset = None,
+    atol: options.Atol = None,
+    decode_steps: options.DecodeSteps = None,
+    text: options.Text = None,
+    seed: options.Seed = None,
+    force: options.Force = None,
+    json_output: options.Json = False,
 ) -> None:
     """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs."""
-    from modcli.bundle.writer import ExportConfig
-    from modcli.bundle.writer import export as run_export
-
-    config = ExportConfig(checkpoint=checkpoint, out=out, onnx=onnx, compile=compile,
-                          graphs=graph or ["forward", "decode"], routing=routing, dtype=dtype, provider=provider,
-                          opset=opset, atol=atol, decode_steps=decode_steps, text=text, seed=seed, force=force)
     log = (lambda message: None) if json_output else (lambda message: stderr.print(message, highlight=False))
-    result = run_export(config, log=log)
+    result = modcli.export(options.build(modcli.ExportConfig, options.given(ctx)), log=log)
     if json_output:
-        from modcli.reports.console import print_json
-
         payload = dataclasses.asdict(result)
         for check in payload["checks"]:
             if check["max_abs_diff"] == float("inf"):
@@ -62,8 +52,6 @@ def export(
 
 
 def _print_report(result) -> None:
-    from rich.table import Table
-
     checks = Table(title=f"validation against eager PyTorch ({result.dtype}, atol {result.atol:g}; decode: prompt "
                          "+N greedy steps)")
     for column in ("graph", "runner", "case", "max |diff|", "selection", "tokens", "result"):

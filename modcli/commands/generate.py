@@ -1,58 +1,49 @@
-"""`modcli generate`: stream text to stdout, statistics to stderr (or one JSON object)."""
+"""`modcli generate`: flags -> GenerateConfig -> modcli.generate -> text on stdout, statistics on stderr (or one
+JSON object)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
-from modcli.commands.common import Device, Dtype, Json, stderr, user_errors
+import modcli
+from modcli.commands import options
+from modcli.commands.common import stderr, subcommand
+from modcli.reports.console import print_json
 
 if TYPE_CHECKING:
     from modcli.decode.generation import GenerateResult
 
 
-@user_errors
+@subcommand
 def generate(
-    checkpoint: Annotated[str, typer.Argument(help="Run folder (newest checkpoint) or checkpoint folder.")],
-    prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeat for a batch).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Bytes to generate per prompt.")] = 200,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option(help="Sample among the k most likely bytes (0 = off).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold (1 = off).")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampler seed.")] = 1337,
-    routing: Annotated[Optional[str], typer.Option(
-        help="A causal mode of the model's router (topk: router or predictor); default its first.")] = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    compile: Annotated[bool, typer.Option("--compile", help=(
-        "torch.compile the causal prefill and a static-shape decode step (preallocated KV cache; a CUDA graph on "
-        "CUDA); compile time reported apart."))] = False,
-    exit_threshold: Annotated[Optional[float], typer.Option(
-        help="Early-exit models: leave the blocks at the first exit whose top probability reaches P (1 = full "
-             "depth).")] = None,
-    speculative: Annotated[Optional[int], typer.Option(
-        help="Early-exit models: self-speculative decoding, drafting with the first E blocks (needs --temperature "
-             "0).")] = None,
-    draft_tokens: Annotated[int, typer.Option(help="--speculative: tokens drafted per round.")] = 4,
-    json_output: Json = False,
+    ctx: typer.Context,
+    checkpoint: options.Checkpoint,
+    prompts: options.Prompts = None,
+    max_new_tokens: options.MaxNewTokens = None,
+    temperature: options.Temperature = None,
+    top_k: options.TopK = None,
+    top_p: options.TopP = None,
+    seed: options.Seed = None,
+    routing: options.Routing = None,
+    device: options.Device = None,
+    dtype: options.Dtype = None,
+    compile: options.Compile = None,
+    exit_threshold: options.ExitThreshold = None,
+    speculative: options.Speculative = None,
+    draft_tokens: options.DraftTokens = None,
+    json_output: options.Json = False,
 ) -> None:
     """Generate text with causal routing and a KV cache holding only the tokens each block processed."""
-    from modcli.decode.generation import GenerateConfig, Utf8Stream
-    from modcli.decode.generation import generate as run_generation
-
-    config = GenerateConfig(checkpoint=checkpoint, prompts=prompt or ["def "], max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, routing=routing,
-                            device=device, dtype=dtype, compile=compile, exit_threshold=exit_threshold,
-                            speculative=speculative, draft_tokens=draft_tokens)
+    config = options.build(modcli.GenerateConfig, options.given(ctx))
     stream = None
     if not json_output and len(config.prompts) == 1:
-        stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), prefix=config.prompts[0])
-    result = run_generation(config, on_bytes=stream)
+        stream = modcli.Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), prefix=config.prompts[0])
+    result = modcli.generate(config, on_bytes=stream)
     if json_output:
-        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     if stream is None:

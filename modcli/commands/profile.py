@@ -1,139 +1,103 @@
-"""`modcli profile`: flags -> ProfileConfig -> modcli.profiling.profile.profile -> one table per sequence length."""
+"""`modcli profile`: flags -> ProfileConfig -> modcli.profile -> one table per sequence length."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from modcli.commands.common import (
-    Arch,
-    Capacity,
-    CapacityMax,
-    Device,
-    Dtype,
-    ExitLossScale,
-    ExpertCapacityFactor,
-    Experts,
-    ExpertTopK,
-    Json,
-    LayerDropoutMax,
-    NoopExperts,
-    PredictorHidden,
-    RecursionCapacities,
-    Recursions,
-    RouteEvery,
-    RouteLayers,
-    RouteOffset,
-    RoutePart,
-    Router,
-    RouterHidden,
-    RouterWeight,
-    Threshold,
-    stdout,
-    user_errors,
-)
+import modcli
+from modcli.commands import options
+from modcli.commands.common import stdout, subcommand
+from modcli.config import ModelConfig
 from modcli.errors import UserError
+from modcli.models.families import architecture
+from modcli.reports.console import human, print_json
+
+MODEL_FIELDS = frozenset(field.name for field in dataclasses.fields(ModelConfig)) - {"seq_len"}
+"""The flags that shape a fresh model; profile's --seq-len is the length measured, not the model's context."""
 
 
-@user_errors
+@subcommand
 def profile(
-    checkpoint: Annotated[Optional[str], typer.Argument(
-        help="Run or checkpoint folder; without it a freshly initialised model of --preset/--config/flags.")] = None,
-    compare: Annotated[str, typer.Option(
-        help="dense (the dense twin: no routing, dense MLP), moe (the same experts without MoD routing or no-op "
-             "experts), none, or a run/checkpoint folder.")] = "dense",
-    preset: Annotated[Optional[str], typer.Option(help="tiny, small or base (default small).")] = None,
-    config: Annotated[Optional[Path], typer.Option(
-        "--config", help="TOML file with the same keys as the flags; flags win.")] = None,
-    d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
-    n_layers: Annotated[Optional[int], typer.Option(help="Number of blocks.")] = None,
-    n_heads: Annotated[Optional[int], typer.Option(help="Attention heads.")] = None,
-    mlp_hidden: Annotated[Optional[int], typer.Option(help="SwiGLU hidden width (0 = 8/3 x d_model).")] = None,
-    vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size.")] = None,
-    capacity: Capacity = None,
-    route_every: RouteEvery = None,
-    route_offset: RouteOffset = None,
-    route_layers: RouteLayers = None,
-    router: Router = None,
-    router_weight: RouterWeight = None,
-    router_hidden: RouterHidden = None,
-    threshold: Threshold = None,
-    capacity_max: CapacityMax = None,
-    route_part: RoutePart = None,
-    predictor_hidden: PredictorHidden = None,
-    experts: Experts = None,
-    expert_top_k: ExpertTopK = None,
-    expert_capacity_factor: ExpertCapacityFactor = None,
-    noop_experts: NoopExperts = None,
-    arch: Arch = None,
-    layer_dropout_max: LayerDropoutMax = None,
-    exit_loss_scale: ExitLossScale = None,
-    recursions: Recursions = None,
-    recursion_capacities: RecursionCapacities = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Sequence length to profile (default: the model's).")] = None,
-    seq_lens: Annotated[Optional[str], typer.Option(help="Sweep, comma-separated, e.g. 256,512,1024,2048.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Sequences per call.")] = 8,
-    repeats: Annotated[int, typer.Option(help="Timed calls per measurement and model (median, min, max).")] = 5,
-    warmup: Annotated[int, typer.Option(help="Untimed calls before the timed ones.")] = 1,
-    measure: Annotated[str, typer.Option(help="Comma-separated: forward, train, decode.")] = "forward,train,decode",
-    decode_tokens: Annotated[int, typer.Option(help="Decode steps after prefilling T tokens.")] = 32,
-    routing: Annotated[Optional[str], typer.Option(
-        help="Causal routing of prefill and decode (topk router: router or predictor); default the router's first.")] = None,
-    memory: Annotated[bool, typer.Option(
-        "--memory/--no-memory", help="Measure peak memory (one fresh process per measurement).")] = True,
-    seed: Annotated[int, typer.Option(help="Seed of fresh weights and of the inputs.")] = 1337,
-    plot: Annotated[Optional[str], typer.Option(help="Write latency and FLOPs against T to this PNG.")] = None,
-    onnx: Annotated[Optional[list[str]], typer.Option(
-        help="Also time this `modcli export` bundle through onnxruntime (repeat: MoD and dense bundles).")] = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    backends: Annotated[str, typer.Option(help=(
-        "Comma-separated paths to time, MoD and baseline interleaved: eager, compiled (torch.compile: forward, "
-        "training step, causal prefill, static-shape decode step), onnxruntime (both models exported to ONNX here: "
-        "forward and decode step)."))] = "eager",
-    compile: Annotated[bool, typer.Option("--compile", help="Same as adding compiled to --backends.")] = False,
-    json_output: Json = False,
+    ctx: typer.Context,
+    checkpoint: options.Checkpoint = None,
+    compare: options.Compare = None,
+    preset: options.Preset = None,
+    config: options.ConfigFile = None,
+    d_model: options.DModel = None,
+    n_layers: options.NLayers = None,
+    n_heads: options.NHeads = None,
+    mlp_hidden: options.MlpHidden = None,
+    vocab_size: options.VocabSize = None,
+    capacity: options.Capacity = None,
+    route_every: options.RouteEvery = None,
+    route_offset: options.RouteOffset = None,
+    route_layers: options.RouteLayers = None,
+    router: options.Router = None,
+    router_weight: options.RouterWeight = None,
+    router_hidden: options.RouterHidden = None,
+    threshold: options.Threshold = None,
+    capacity_max: options.CapacityMax = None,
+    route_part: options.RoutePart = None,
+    predictor_hidden: options.PredictorHidden = None,
+    experts: options.Experts = None,
+    expert_top_k: options.ExpertTopK = None,
+    expert_capacity_factor: options.ExpertCapacityFactor = None,
+    noop_experts: options.NoopExperts = None,
+    arch: options.Arch = None,
+    layer_dropout_max: options.LayerDropoutMax = None,
+    exit_loss_scale: options.ExitLossScale = None,
+    recursions: options.Recursions = None,
+    recursion_capacities: options.RecursionCapacities = None,
+    seq_len: options.SeqLen = None,
+    seq_lens: options.SeqLens = None,
+    batch_size: options.BatchSize = None,
+    repeats: options.Repeats = None,
+    warmup: options.Warmup = None,
+    measure: options.Measure = None,
+    decode_tokens: options.DecodeTokens = None,
+    routing: options.Routing = None,
+    memory: options.Memory = None,
+    seed: options.Seed = None,
+    plot: options.Plot = None,
+    onnx: options.OnnxBundles = None,
+    device: options.Device = None,
+    dtype: options.Dtype = None,
+    backends: options.Backends = None,
+    compile: options.Compile = None,
+    json_output: options.Json = False,
 ) -> None:
-    """FLOPs, latency, tokens/s, peak memory and KV-cache bytes of an MoD model against its dense twin (or a checkpoint)."""
-    from modcli.profiling.profile import ProfileConfig
-    from modcli.profiling.profile import profile as run_profile
-
-    model_flags = {k: v for k, v in dict(
-        d_model=d_model, n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden, vocab_size=vocab_size,
-        capacity=capacity, route_every=route_every, route_offset=route_offset, route_layers=route_layers, router=router,
-        router_weight=router_weight, router_hidden=router_hidden, threshold=threshold, capacity_max=capacity_max,
-        route_part=route_part, predictor_hidden=predictor_hidden, experts=experts, expert_top_k=expert_top_k,
-        expert_capacity_factor=expert_capacity_factor, noop_experts=noop_experts, arch=arch,
-        layer_dropout_max=layer_dropout_max, exit_loss_scale=exit_loss_scale, recursions=recursions,
-        recursion_capacities=recursion_capacities).items() if v is not None}
+    """FLOPs, latency, tokens/s, peak memory and KV-cache bytes of an MoD model against its dense twin (or a
+    checkpoint). Without CHECKPOINT, a freshly initialised model of --preset (default small), --config and the model
+    flags."""
+    values = options.given(ctx)
+    model_flags = {name: value for name, value in values.items() if name in MODEL_FIELDS}
     model = None
     if checkpoint is None or model_flags or preset or config:
-        from modcli.config import resolve_run_config
-        model = resolve_run_config(preset or "small", str(config) if config else None, model_flags).model
+        model = modcli.resolve_run_config(preset or "small", str(config) if config else None, model_flags).model
     if seq_len is not None and seq_lens is not None:
         raise UserError("give --seq-len or --seq-lens, not both")
     lengths = [seq_len] if seq_len is not None else (_int_list(seq_lens, "--seq-lens") if seq_lens else None)
-    result = run_profile(ProfileConfig(
-        checkpoint=checkpoint, model=model, compare=compare, seq_lens=lengths, batch_size=batch_size,
-        repeats=repeats, warmup=warmup, measure=[m.strip() for m in measure.split(",") if m.strip()],
-        decode_tokens=decode_tokens, routing=routing, device=device, dtype=dtype, compile=compile, memory=memory,
-        backends=[b.strip() for b in backends.split(",") if b.strip()],
-        seed=seed, plot=plot, onnx=onnx or []))
+    result = modcli.profile(options.build(modcli.ProfileConfig, {
+        **values, "model": model, "seq_lens": lengths,
+        "measure": _text_list(measure) if measure is not None else None,
+        "backends": _text_list(backends) if backends is not None else None}))
     if json_output:
-        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
-    from rich.console import Console
-
     out = stdout if stdout.is_terminal else Console(width=120)  # a pipe or file gets whole rows, not 80 columns
     for table in tables(result):
         out.print(table)
     if result.onnx:
         out.print(_onnx_table(result))
     out.print(f"[dim]{result.flops_note}\n{result.memory_method}[/]", highlight=False)
+
+
+def _text_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -161,8 +125,6 @@ SPEED_ROWS = (("forward", "forward"), ("train_step", "training step"), ("prefill
 def speed_table(result, r):
     """Every backend's latency for every measurement, model and baseline side by side, the measured ratio, the
     counted-FLOP ideal and how far the ratio is from it (ratio / ideal: 1.00 = the saving the FLOPs promise)."""
-    from rich.table import Table
-
     compared = result.baseline is not None
     table = Table(title=f"speed, T = {r.seq_len}, batch {result.batch_size}: median ms per call (decode: per step)",
                   caption="compile s: first call (compilation and one run), never timed; onnxruntime has no "
@@ -198,11 +160,6 @@ def _backend_timing(profile, backend: str, name: str):
 
 
 def _table(result, r):
-    from rich.table import Table
-
-    from modcli.models.families import architecture
-    from modcli.reports.console import human
-
     compared = result.baseline is not None
     m, b = r.model, r.baseline
     caption = [f"causal routing of prefill and decode: {result.routing}"] if m.decode else []
@@ -272,8 +229,6 @@ def _table(result, r):
 
 def _onnx_table(result):
     """onnxruntime latency per bundle, beside the eager numbers above; ratios against the first bundle."""
-    from rich.table import Table
-
     table = Table(title=f"onnxruntime, batch {result.batch_size}; median (min) ms; ratio against the first bundle")
     for column in ("bundle", "provider", "T", "forward ms", "forward ratio", "decode step ms", "decode ratio"):
         table.add_column(column, justify="left" if column in ("bundle", "provider") else "right")

@@ -1,44 +1,45 @@
-"""`modcli routes`: which tokens each routed block processed for one text, as HTML or a PNG heat map."""
+"""`modcli routes`: flags -> RouteConfig -> modcli.route_map -> which tokens each routed block processed for one text,
+as HTML or a PNG heat map."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
+from rich.table import Table
 
-from modcli.commands.common import Device, Json, stdout, user_errors
+import modcli
+from modcli.commands import options
+from modcli.commands.common import stdout, subcommand
+from modcli.errors import UserError
+from modcli.reports.console import print_json
+
+DEFAULT_OUT = "routes.html"
 
 
-@user_errors
+@subcommand
 def routes(
-    run: Annotated[str, typer.Argument(help="Run folder (newest checkpoint) or checkpoint folder of an MoD model.")],
-    text: Annotated[Path, typer.Option(help="Text file to route (UTF-8).")],
-    out: Annotated[str, typer.Option(help="routes.html (the text coloured per block) or routes.png (a heat map).")
-                   ] = "routes.html",
-    max_tokens: Annotated[Optional[int], typer.Option(
-        help="Route only the first N tokens (default: all, in windows of the model's seq_len).")] = None,
-    device: Device = "auto",
-    json_output: Json = False,
+    ctx: typer.Context,
+    checkpoint: options.Checkpoint,
+    text: options.Text,
+    out: options.Out = None,
+    max_tokens: options.MaxTokens = None,
+    device: options.Device = None,
+    json_output: options.Json = False,
 ) -> None:
-    """Per routed block: the tokens each routing mode processed, the causal rule's probability, and where the causal
-    rules disagree with top-k."""
-    from modcli.reports.route_map import RouteConfig, route_map, write_html, write_png
-
+    """Per routed block of an MoD model: the tokens each routing mode processed, the causal rule's probability, and
+    where the causal rules disagree with top-k; --out routes.html colours the text per block, routes.png is a heat
+    map."""
+    out = DEFAULT_OUT if out is None else out
     suffix = Path(out).suffix.lower()
     if suffix not in (".html", ".png"):
-        from modcli.errors import UserError
         raise UserError(f"--out must end in .html or .png, got {out!r}")
-    result = route_map(RouteConfig(checkpoint=run, text=str(text), max_tokens=max_tokens, device=device))
-    (write_html if suffix == ".html" else write_png)(result, out)
+    result = modcli.route_map(options.build(modcli.RouteConfig, options.given(ctx)))
+    (modcli.write_html if suffix == ".html" else modcli.write_png)(result, out)
     if json_output:
-        import dataclasses
-
-        from modcli.reports.console import print_json
         print_json({"out": out, **dataclasses.asdict(result)})
         return
-    from rich.table import Table
-
     table = Table(title=f"{result.checkpoint}: {len(result.tokens)} tokens, {result.router} router")
     table.add_column("block", justify="right")
     for mode in result.modes:

@@ -2,42 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from modcli.commands.common import Json, stdout, user_errors
+from modcli.commands import options
+from modcli.commands.common import stdout, subcommand
+from modcli.reports.console import print_json
+from modcli.sweep import runner
 
 
-@user_errors
+@subcommand
 def sweep(
-    grid: Annotated[Path, typer.Argument(help="Grid TOML: budgets, \\[\\[size]], \\[\\[variant]], \\[common] flags.")],
-    out: Annotated[Optional[str], typer.Option(
-        help="Sweep folder (runs/, results.jsonl, isoflop.png, frontier.png); default runs/sweeps/GRID-NAME.")] = None,
-    profile: Annotated[bool, typer.Option(
-        "--profile", help="Time each run's forward and decode against its dense twin (frontier.png).")] = False,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or mps (overrides the grid).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 (overrides the grid).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the grid and list its runs; train nothing.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", help="Show each run's training progress.")] = False,
-    json_output: Json = False,
+    ctx: typer.Context,
+    grid: options.Grid,
+    out: options.Out = None,
+    profile: options.ProfileRuns = None,
+    device: options.Device = None,
+    dtype: options.Dtype = None,
+    dry_run: options.DryRun = None,
+    verbose: options.Verbose = None,
+    json_output: options.Json = False,
 ) -> None:
     """Train, evaluate (and profile) every budget x size x variant of a grid; resumable. Prints a summary table."""
-    from modcli.sweep.runner import SweepConfig, best_per_budget, summary_rows
-    from modcli.sweep.runner import sweep as run_sweep
-
-    result = run_sweep(SweepConfig(grid=str(grid), out=out or str(Path("runs") / "sweeps" / grid.stem), profile=profile,
-                                   device=device, dtype=dtype, dry_run=dry_run, verbose=verbose))
+    folder = out or str(Path("runs") / "sweeps" / grid.stem)
+    result = runner.sweep(options.build(runner.SweepConfig, {**options.given(ctx), "grid": str(grid), "out": folder}))
     if json_output:
-        import dataclasses
-
-        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     if result.dry_run:
         table = Table(title=f"{result.grid}: {result.points} runs (dry run, nothing trained)")
         for column in ("run", "parameters", "steps", "FLOPs per step"):
@@ -46,7 +41,7 @@ def sweep(
             table.add_row(r["name"], f"{r['parameters']:,}", str(r["planned_steps"]), f"{r['step_flops']:.3g}")
         stdout.print(table)
         return
-    rows = summary_rows(result.runs, result.best or best_per_budget(result.runs))
+    rows = runner.summary_rows(result.runs, result.best or runner.best_per_budget(result.runs))
     table = Table(title=f"sweep {result.out}: {result.points} runs ({len(result.trained)} trained now, "
                         f"{len(result.skipped)} already done); * = best causal loss of its budget")
     for column in rows[0]:

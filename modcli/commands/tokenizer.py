@@ -1,34 +1,34 @@
-"""`modcli tokenizer train`: a byte-level BPE tokenizer.json trained on a corpus, for runs trained from scratch."""
+"""`modcli tokenizer train`: flags -> TokenizerTrainConfig -> modcli.train_tokenizer: a byte-level BPE
+tokenizer.json trained on a corpus, for runs trained from scratch."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Optional
 
 import typer
 
-from modcli.commands.common import Json, stdout, user_errors
+import modcli
+from modcli.commands import options
+from modcli.commands.common import stdout, subcommand
+from modcli.reports.console import print_json
 
 app = typer.Typer(help="Tokenizers for runs trained from scratch.", no_args_is_help=True)
 
 
 @app.command("train")
-@user_errors
+@subcommand
 def train_tokenizer(
-    vocab_size: Annotated[int, typer.Option(help="Tokens in the vocabulary (the 256 bytes included).")] = 4096,
-    data: Annotated[Optional[str], typer.Option(help="Text file or folder; default: the Python stdlib.")] = None,
-    glob: Annotated[str, typer.Option(help="File pattern when --data is a folder.")] = "**/*",
-    max_bytes: Annotated[int, typer.Option(help="Train on at most this many bytes of the training split.")] = 50_000_000,
-    out: Annotated[str, typer.Option(help="Where to write the tokenizer.json.")] = "tokenizer.json",
-    json_output: Json = False,
+    ctx: typer.Context,
+    vocab_size: options.VocabSize = None,
+    data: options.Data = None,
+    glob: options.Glob = None,
+    max_bytes: options.MaxBytes = None,
+    out: options.Out = None,
+    json_output: options.Json = False,
 ) -> None:
     """Train a byte-level BPE tokenizer on the corpus' training split; use it with `modcli train --tokenizer`."""
-    from modcli.data.tokenizer import TokenizerTrainConfig
-    from modcli.data.tokenizer import train_tokenizer as run
-
-    result = run(TokenizerTrainConfig(vocab_size=vocab_size, data=data, glob=glob, max_bytes=max_bytes, out=out))
+    result = modcli.train_tokenizer(options.build(modcli.TokenizerTrainConfig, options.given(ctx)))
     if json_output:
-        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
     stdout.print(f"wrote {result.out}: {result.vocab_size:,} tokens, trained on {result.bytes:,} bytes of "

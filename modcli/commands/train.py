@@ -1,144 +1,108 @@
-"""`modcli train`: flags -> RunConfig -> modcli.training.loop.train -> summary table."""
+"""`modcli train`: flags -> RunConfig (modcli.resolve_run_config) -> modcli.train -> summary table."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
 
-from modcli.commands.common import (
-    Arch,
-    Capacity,
-    CapacityMax,
-    ExitLossScale,
-    ExpertCapacityFactor,
-    Experts,
-    ExpertTopK,
-    Json,
-    LayerDropoutMax,
-    NoopExperts,
-    PredictorHidden,
-    RecursionCapacities,
-    Recursions,
-    RouteEvery,
-    RouteLayers,
-    RouteOffset,
-    RoutePart,
-    Router,
-    RouterHidden,
-    RouterWeight,
-    Threshold,
-    is_main_process,
-    stdout,
-    user_errors,
-)
+import modcli
+from modcli.commands import options
+from modcli.commands.common import is_main_process, stdout, subcommand
+from modcli.config import SHAPE_FIELDS, TrainConfig
 from modcli.errors import UserError
+from modcli.reports.console import human, key_value_table, print_json
+
+NOT_RUN_FLAGS = ("preset", "config", "json_output")
+"""Parameters of `train` that choose where the run config starts or how it is printed, not one of its fields."""
 
 
-@user_errors
+@subcommand
 def train(
-    preset: Annotated[Optional[str], typer.Option(help="tiny, small or base (default tiny).")] = None,
-    config: Annotated[Optional[Path], typer.Option(
-        "--config", help="TOML file with the same keys as the flags; flags win.")] = None,
-    data: Annotated[Optional[str], typer.Option(help="Text file, folder or .bin; default: the Python stdlib.")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(
-        help="bytes (default) or a tokenizer.json (e.g. from `modcli tokenizer train`); set --vocab-size to match.")
-    ] = None,
-    vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary size (256 for bytes).")] = None,
-    glob: Annotated[Optional[str], typer.Option(help="File pattern when --data is a folder.")] = None,
-    capacity: Capacity = None,
-    route_every: RouteEvery = None,
-    route_offset: RouteOffset = None,
-    route_layers: RouteLayers = None,
-    router: Router = None,
-    router_weight: RouterWeight = None,
-    router_hidden: RouterHidden = None,
-    threshold: Threshold = None,
-    capacity_max: CapacityMax = None,
-    route_part: RoutePart = None,
-    predictor_hidden: PredictorHidden = None,
-    experts: Experts = None,
-    expert_top_k: ExpertTopK = None,
-    expert_capacity_factor: ExpertCapacityFactor = None,
-    noop_experts: NoopExperts = None,
-    arch: Arch = None,
-    layer_dropout_max: LayerDropoutMax = None,
-    exit_loss_scale: ExitLossScale = None,
-    recursions: Recursions = None,
-    recursion_capacities: RecursionCapacities = None,
-    dropout: Annotated[Optional[float], typer.Option(help="Dropout on attention and block deltas (training).")] = None,
-    dense: Annotated[Optional[bool], typer.Option("--dense", help="Train the dense twin (routing off).")] = None,
-    d_model: Annotated[Optional[int], typer.Option(help="Model width.")] = None,
-    n_layers: Annotated[Optional[int], typer.Option(help="Number of blocks.")] = None,
-    n_heads: Annotated[Optional[int], typer.Option(help="Attention heads.")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Context length.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per micro-batch.")] = None,
-    grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per step.")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
-    warmup: Annotated[Optional[int], typer.Option(help="Warm-up steps.")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="Optimiser steps.")] = None,
-    flops_budget: Annotated[Optional[float], typer.Option(
-        help="Stop after this many training FLOPs (overrides --max-steps).")] = None,
-    router_aux_weight: Annotated[Optional[float], typer.Option(
-        help="Weight of the router's auxiliary loss (topk: BCE; threshold: capacity regulariser).")] = None,
-    expert_aux_weight: Annotated[Optional[float], typer.Option(
-        help="Weight of the MoE load-balancing loss (default 0.01).")] = None,
-    router_lr_scale: Annotated[Optional[float], typer.Option(help="Router learning rate relative to --lr.")] = None,
-    capacity_warmup: Annotated[Optional[int], typer.Option(
-        help="Anneal the capacity from 1.0 to --capacity over N steps.")] = None,
-    eval_every: Annotated[Optional[int], typer.Option(help="Evaluate and checkpoint every N steps.")] = None,
-    eval_batches: Annotated[Optional[int], typer.Option(help="Validation batches per evaluation.")] = None,
-    log_every: Annotated[Optional[int], typer.Option(help="Plain progress line every N steps.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or mps.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 (autocast).")] = None,
-    compile: Annotated[Optional[bool], typer.Option("--compile", help="torch.compile the model.")] = None,
-    out: Annotated[Optional[str], typer.Option(help="Run folder.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in --out.")] = False,
-    init_from: Annotated[Optional[str], typer.Option(
-        help="Start from this run's weights and tokenizer (e.g. `modcli import`'s) and convert it with the routing "
-             "flags.")] = None,
-    trainable: Annotated[Optional[str], typer.Option(
-        help="Which parameters train: all, routers or routers+norms (the rest frozen).")] = None,
-    keep: Annotated[Optional[int], typer.Option(help="Keep the newest N checkpoints.")] = None,
-    parallel: Annotated[Optional[str], typer.Option(help="Under torchrun: ddp or fsdp (FSDP2).")] = None,
-    json_output: Json = False,
+    ctx: typer.Context,
+    preset: options.Preset = None,
+    config: options.ConfigFile = None,
+    data: options.Data = None,
+    tokenizer: options.Tokenizer = None,
+    vocab_size: options.VocabSize = None,
+    glob: options.Glob = None,
+    capacity: options.Capacity = None,
+    route_every: options.RouteEvery = None,
+    route_offset: options.RouteOffset = None,
+    route_layers: options.RouteLayers = None,
+    router: options.Router = None,
+    router_weight: options.RouterWeight = None,
+    router_hidden: options.RouterHidden = None,
+    threshold: options.Threshold = None,
+    capacity_max: options.CapacityMax = None,
+    route_part: options.RoutePart = None,
+    predictor_hidden: options.PredictorHidden = None,
+    experts: options.Experts = None,
+    expert_top_k: options.ExpertTopK = None,
+    expert_capacity_factor: options.ExpertCapacityFactor = None,
+    noop_experts: options.NoopExperts = None,
+    arch: options.Arch = None,
+    layer_dropout_max: options.LayerDropoutMax = None,
+    exit_loss_scale: options.ExitLossScale = None,
+    recursions: options.Recursions = None,
+    recursion_capacities: options.RecursionCapacities = None,
+    dropout: options.Dropout = None,
+    dense: options.Dense = None,
+    d_model: options.DModel = None,
+    n_layers: options.NLayers = None,
+    n_heads: options.NHeads = None,
+    seq_len: options.SeqLen = None,
+    batch_size: options.BatchSize = None,
+    grad_accum: options.GradAccum = None,
+    lr: options.Lr = None,
+    warmup: options.Warmup = None,
+    max_steps: options.MaxSteps = None,
+    flops_budget: options.FlopsBudget = None,
+    router_aux_weight: options.RouterAuxWeight = None,
+    expert_aux_weight: options.ExpertAuxWeight = None,
+    router_lr_scale: options.RouterLrScale = None,
+    capacity_warmup: options.CapacityWarmup = None,
+    eval_every: options.EvalEvery = None,
+    eval_batches: options.EvalBatches = None,
+    log_every: options.LogEvery = None,
+    seed: options.Seed = None,
+    device: options.Device = None,
+    dtype: options.Dtype = None,
+    compile: options.Compile = None,
+    out: options.Out = None,
+    resume: options.Resume = None,
+    init_from: options.InitFrom = None,
+    trainable: options.Trainable = None,
+    keep: options.Keep = None,
+    parallel: options.Parallel = None,
+    json_output: options.Json = False,
 ) -> None:
-    """Train an MoD decoder (or its dense twin) on text; prints a summary table."""
-    flags = {k: v for k, v in locals().items()
-             if k not in ("preset", "config", "resume", "json_output") and v is not None}
-    from modcli.config import RunConfig, resolve_run_config
-    from modcli.training.loop import train as run_training
-
+    """Train an MoD decoder (or its dense twin) on text; prints a summary table. Values come from --preset (default
+    tiny), then --config, then the flags given."""
+    flags = {name: value for name, value in options.given(ctx).items() if name not in NOT_RUN_FLAGS}
     base = preset or "tiny"
     if resume and preset is None and config is None:
         # Resume with the run's own configuration; flags given now still apply (and are checked).
-        from modcli.checkpoint.store import complete_checkpoints, read_config
-        run_dir = Path(out or RunConfig().train.out)
-        found = complete_checkpoints(run_dir)
+        run_dir = Path(out or TrainConfig.out)
+        found = modcli.complete_checkpoints(run_dir)
         if not found:
             raise UserError(f"--resume: no complete checkpoint in {run_dir}")
-        saved = read_config(found[-1]).to_dict()
+        saved = modcli.read_config(found[-1]).to_dict()
         flags = {**saved["model"], **saved["data"], **saved["train"], **flags}
         base = None
     elif init_from:
         # Convert another run: its shape and tokenizer, this run's routing and training flags.
-        from modcli.checkpoint.store import read_config, resolve_checkpoint
-        from modcli.config import SHAPE_FIELDS
-        saved = read_config(resolve_checkpoint(init_from))
+        saved = modcli.read_config(modcli.resolve_checkpoint(init_from))
         shape = {name: getattr(saved.model, name) for name in SHAPE_FIELDS}
         flags = {**shape, "seq_len": saved.model.seq_len, "tokenizer": saved.data.tokenizer, **flags}
-    run_config = resolve_run_config(base, str(config) if config else None, {**flags, "resume": resume})
-    result = run_training(run_config, quiet=False)
+    run_config = modcli.resolve_run_config(base, str(config) if config else None, flags)
+    result = modcli.train(run_config, quiet=False)
     if not is_main_process():
         return
     if json_output:
-        from modcli.reports.console import print_json
         print_json(dataclasses.asdict(result))
         return
-    from modcli.reports.console import human, key_value_table
     if result.dense:
         validation = [("validation loss", f"{result.val_loss:.4f}"),
                       ("validation bits/byte", f"{result.val_bits_per_byte:.4f}")]

@@ -19,6 +19,16 @@ def test_package_names_are_functions_even_after_the_submodules_are_imported():
         assert callable(function) and not isinstance(function, types.ModuleType)
 
 
+def test_every_exported_name_resolves_to_what_its_module_defines():
+    import importlib
+
+    import modcli
+
+    for name, module in modcli._EXPORTS.items():
+        value = getattr(modcli, name)
+        assert value is getattr(importlib.import_module(module), name) and not isinstance(value, types.ModuleType)
+
+
 def test_load_model_and_call_it_in_each_routing_mode(trained_run):
     from modcli import load_model
 
