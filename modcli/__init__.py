@@ -17,20 +17,20 @@ _EXPORTS = {
     "TrainConfig": "modcli.config", "resolve_run_config": "modcli.config",
     "EvalConfig": "modcli.evaluation.perplexity", "evaluate": "modcli.evaluation.perplexity",
     "GenerateConfig": "modcli.decode.generation", "generate": "modcli.decode.generation",
-    "Utf8Stream": "modcli.decode.generation",
+    "Utf8Stream": "modcli_runtime.text",
     "MoDDecoder": "modcli.models.decoder", "train": "modcli.training.loop",
-    "ExportConfig": "modcli.bundle.writer", "export": "modcli.bundle.writer",
-    "ProfileConfig": "modcli.profiling.profile", "profile": "modcli.profiling.profile",
+    "ExportConfig": "modcli.bundle.config", "export": "modcli.bundle.writer",
+    "ProfileConfig": "modcli.profiling.config", "profile": "modcli.profiling.profile",
     "ImportConfig": "modcli.pretrained.importer", "import_model": "modcli.pretrained.importer",
     "RouteConfig": "modcli.reports.route_map", "route_map": "modcli.reports.route_map",
     "write_html": "modcli.reports.route_map", "write_png": "modcli.reports.route_map",
-    "TokenizerTrainConfig": "modcli.data.tokenizer", "train_tokenizer": "modcli.data.tokenizer",
-    "curves_plot": "modcli.reports.plots",
+    "TokenizerTrainConfig": "modcli.data.tokenizer_training", "train_tokenizer": "modcli.data.tokenizer_training",
+    "curves_plot": "modcli.reports.plots", "run_sweep": "modcli.sweep.runner",
     "complete_checkpoints": "modcli.checkpoint.store", "read_config": "modcli.checkpoint.store",
     "resolve_checkpoint": "modcli.checkpoint.store", "tune_cpu_allocator": "modcli.hardware",
 }
 """Name -> the module that defines it, imported on first use: the config and library function of every command
-(but sweep's: `modcli.sweep` is the package modcli/sweep/, whose runner is PyTorch-free and imported as is) and
+(`modcli sweep`'s is `run_sweep`: `modcli.sweep` is the package modcli/sweep/) and
 what the commands call besides."""
 
 if TYPE_CHECKING:

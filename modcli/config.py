@@ -47,7 +47,7 @@ class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks."""
     n_heads: int = 4
-    """Attention heads per block (d_model must be divisible by it unless --head-size is given)."""
+    """Attention heads per block (d_model must be divisible by it unless the head size is set, as imported models do)."""
     n_kv_heads: int = 0
     """Key/value heads (grouped-query attention; n_heads must be a multiple); 0 = n_heads."""
     head_size: int = 0
@@ -72,7 +72,8 @@ class ModelConfig:
     route_layers: list[int] | None = None
     """Route exactly these blocks (e.g. [1, 3, 5]) instead of every route_every-th one."""
     router: str = "topk"
-    """Router kind of the routed blocks (modcli.models.routing.registry): topk, random, threshold or attention."""
+    """Router kind of the routed blocks (modcli.models.routing.registry): topk, random, threshold, attention (A-MoD) or
+    integrated (MoDE: no-op experts in the MoE MLP)."""
     router_weight: str = "sigmoid"
     """How the router logit scales the block's delta: sigmoid, identity (the paper) or none (gating off)."""
     router_hidden: int = 0
@@ -103,8 +104,8 @@ class ModelConfig:
     """--router integrated (integrated MoDE): no-op experts added to the MoE of the routed blocks; a token that
     chooses one skips the MLP."""
     arch: str = "mod"
-    """Model family (modcli.models.families): mod (the MoD decoder, dense with route_every=0) or early-exit
-    (LayerSkip: dense blocks, layer dropout, an exit loss at every layer, exit decoding)."""
+    """Model family (modcli.models.families): mod (Mixture-of-Depths, dense with --dense), early-exit (LayerSkip: layer
+    dropout, an exit loss at every block, exit decoding) or recursion (Mixture-of-Recursions)."""
     layer_dropout_max: float = 0.1
     """--arch early-exit: training-time probability of skipping the last block for a whole sequence; block l of L
     is skipped with probability layer_dropout_max x l / (L - 1), 0 for the first."""

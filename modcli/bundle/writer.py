@@ -66,7 +66,6 @@ from modcli.checkpoint.store import load_model_from
 from modcli.errors import UserError, WriteFailed
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.decoder import MoDDecoder
-from modcli.models.families import ARCHITECTURES
 
 CACHE_UPDATE_NOTE = ("the graph only reads the cache and returns this step's K/V per layer as new_keys.L/new_values.L "
                      "(B, Hkv, 1, hd); the caller stores row b's at slot lengths.L[b] of its own buffers, in place, "
@@ -172,7 +171,7 @@ def _clean_stale(out: Path) -> list[str]:
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
     _check_out(out, config.force)
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
-    family = ARCHITECTURES[model.config.arch]
+    family = model.config.family
     if not family.exportable:
         raise UserError(f"--arch {family.name} cannot be exported: {family.export_note}")
     if family.export_note:
@@ -280,7 +279,7 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
                   "tokens": "bytes (UTF-8)" if tokenizer == "bytes" else "tokenizer.json",
                   "tokenizer": None if tokenizer == "bytes" else "tokenizer.json",
                   "dense": model_config.dense, "routed_layers": model_config.routed_layers(),
-                  "arch": model_config.arch, "export_note": ARCHITECTURES[model_config.arch].export_note},
+                  "arch": model_config.arch, "export_note": model_config.family.export_note},
         "graphs": graphs,
         "compile": {"asked": config.compile, "aoti": aoti_ok, "aoti_skipped_because": aoti_reason or None,
                     "target": "cpu",

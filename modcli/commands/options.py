@@ -42,12 +42,12 @@ DATA = ("config.py", "DataConfig")
 TRAIN = ("config.py", "TrainConfig")
 EVAL = ("evaluation/perplexity.py", "EvalConfig")
 GENERATE = ("decode/generation.py", "GenerateConfig")
-EXPORT = ("bundle/writer.py", "ExportConfig")
-PROFILE = ("profiling/profile.py", "ProfileConfig")
+EXPORT = ("bundle/config.py", "ExportConfig")
+PROFILE = ("profiling/config.py", "ProfileConfig")
 IMPORT = ("pretrained/importer.py", "ImportConfig")
 ROUTES = ("reports/route_map.py", "RouteConfig")
-SWEEP = ("sweep/runner.py", "SweepConfig")
-TOKENIZER = ("data/tokenizer.py", "TokenizerTrainConfig")
+SWEEP = ("sweep/grid.py", "SweepConfig")
+TOKENIZER = ("data/tokenizer_training.py", "TokenizerTrainConfig")
 
 _NOT_A_LITERAL = object()
 
@@ -199,9 +199,7 @@ RouteEvery = Annotated[Optional[int], field_option(MODEL, "route_every")]
 RouteOffset = Annotated[Optional[int], field_option(MODEL, "route_offset")]
 RouteLayers = Annotated[Optional[str], field_option(
     MODEL, "route_layers", help="Route exactly these blocks, comma-separated (e.g. 1,3,5), instead of --route-every.")]
-Router = Annotated[Optional[str], field_option(MODEL, "router", help=(
-    "Router kind of the routed blocks: topk, random, threshold, attention (A-MoD) or integrated (MoDE: no-op "
-    "experts in the MoE MLP)."))]
+Router = Annotated[Optional[str], field_option(MODEL, "router")]
 RouterWeight = Annotated[Optional[str], field_option(MODEL, "router_weight")]
 RouterHidden = Annotated[Optional[int], field_option(MODEL, "router_hidden")]
 Threshold = Annotated[Optional[float], field_option(MODEL, "threshold")]
@@ -212,9 +210,7 @@ Experts = Annotated[Optional[int], field_option(MODEL, "experts")]
 ExpertTopK = Annotated[Optional[int], field_option(MODEL, "expert_top_k")]
 ExpertCapacityFactor = Annotated[Optional[float], field_option(MODEL, "expert_capacity_factor")]
 NoopExperts = Annotated[Optional[int], field_option(MODEL, "noop_experts")]
-Arch = Annotated[Optional[str], field_option(MODEL, "arch", help=(
-    "Model family: mod (Mixture-of-Depths, dense with --dense), early-exit (LayerSkip: layer dropout, an exit loss "
-    "at every block, exit decoding) or recursion (Mixture-of-Recursions)."))]
+Arch = Annotated[Optional[str], field_option(MODEL, "arch")]
 LayerDropoutMax = Annotated[Optional[float], field_option(MODEL, "layer_dropout_max")]
 ExitLossScale = Annotated[Optional[float], field_option(MODEL, "exit_loss_scale")]
 Recursions = Annotated[Optional[int], field_option(MODEL, "recursions")]

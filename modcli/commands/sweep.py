@@ -1,4 +1,5 @@
-"""`modcli sweep`: flags -> SweepConfig -> modcli.sweep.runner.sweep -> summary table (or one JSON object)."""
+"""`modcli sweep`: flags -> SweepConfig -> modcli.run_sweep (modcli.sweep.runner) -> summary table (or one JSON
+object)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import modcli
 from modcli.commands import options
 from modcli.commands.common import stdout, subcommand
 from modcli.reports.console import print_json
-from modcli.sweep import runner
+from modcli.sweep import grid as sweep_grid
 
 
 @subcommand
@@ -29,7 +31,7 @@ def sweep(
 ) -> None:
     """Train, evaluate (and profile) every budget x size x variant of a grid; resumable. Prints a summary table."""
     folder = out or str(Path("runs") / "sweeps" / grid.stem)
-    result = runner.sweep(options.build(runner.SweepConfig, {**options.given(ctx), "grid": str(grid), "out": folder}))
+    result = modcli.run_sweep(options.build(sweep_grid.SweepConfig, {**options.given(ctx), "grid": str(grid), "out": folder}))
     if json_output:
         print_json(dataclasses.asdict(result))
         return
@@ -41,7 +43,7 @@ def sweep(
             table.add_row(r["name"], f"{r['parameters']:,}", str(r["planned_steps"]), f"{r['step_flops']:.3g}")
         stdout.print(table)
         return
-    rows = runner.summary_rows(result.runs, result.best or runner.best_per_budget(result.runs))
+    rows = sweep_grid.summary_rows(result.runs, result.best or sweep_grid.best_per_budget(result.runs))
     table = Table(title=f"sweep {result.out}: {result.points} runs ({len(result.trained)} trained now, "
                         f"{len(result.skipped)} already done); * = best causal loss of its budget")
     for column in rows[0]:

@@ -13,11 +13,9 @@ from pathlib import Path
 from modcli_runtime.errors import TokenizerError
 from modcli_runtime.text import BYTES, ByteTokenizer, JsonTokenizer, Tokenizer
 
-from modcli.data.tokenizer_training import TokenizerTrainConfig, TokenizerTrainResult, train_tokenizer
 from modcli.errors import UserError
 
-__all__ = ["BYTES", "ByteTokenizer", "JsonTokenizer", "Tokenizer", "TokenizerTrainConfig", "TokenizerTrainResult",
-           "load_tokenizer", "train_tokenizer"]
+__all__ = ["BYTES", "ByteTokenizer", "JsonTokenizer", "Tokenizer", "load_tokenizer"]
 
 
 def load_tokenizer(spec: str, run_dir: Path | None = None) -> Tokenizer:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from modcli_runtime.generate import sampling_uniforms
-from modcli_runtime.text import TextPieces, Utf8Stream  # noqa: F401 (Utf8Stream: `modcli generate` streams with it)
+from modcli_runtime.text import TextPieces
 from torch import Tensor
 
 from modcli.checkpoint.store import load_model_from

@@ -20,8 +20,8 @@ from modcli.decode.static import StaticDecoder
 from modcli.hardware import TORCH_DTYPES, autocast
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
-from modcli.training.loop import make_optimizer
 from modcli.training.objective import training_loss
+from modcli.training.schedule import make_optimizer
 
 
 def input_tokens(model_config: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:

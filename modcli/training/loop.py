@@ -6,12 +6,11 @@ writes metrics and writes checkpoints.
 
 from __future__ import annotations
 
-import base64
 import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from modcli.checkpoint.lock import RunLock, run_lock_path
 from modcli.checkpoint.store import (
@@ -40,18 +38,19 @@ from modcli.checkpoint.store import (
     save_checkpoint,
 )
 from modcli.compiling import CompileStats, compile_module, graph_break_counts
-from modcli.config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainConfig
+from modcli.config import SHAPE_FIELDS, RunConfig, TrainConfig
 from modcli.data.corpus import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
 from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.hardware import autocast, seed_everything
 from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
-from modcli.models.flops import training_flops
 from modcli.reports.console import MetricsLog, StepProgress, stderr_console
 from modcli.training import distributed
 from modcli.training.distributed import DistributedContext
-from modcli.training.objective import bits_per_byte, lm_loss, routing_agreement, training_loss
+from modcli.training.objective import Objective, bits_per_byte, lm_loss, routing_agreement, training_loss
+from modcli.training.resume import check_resumable, gather_resume_state, restore_resume_state
+from modcli.training.schedule import capacity_at, learning_rate, make_optimizer, step_flops, total_steps
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 NAN_AT_STEP_ENV = "MODCLI_TEST_NAN_AT_STEP"
@@ -104,64 +103,6 @@ class TrainResult:
     """With --compile: graph breaks torch.compile met (0: the step is one graph)."""
 
 
-def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
-    """Linear warm-up to lr, then cosine decay to lr x min_lr_ratio at total_steps (steps count from 1)."""
-    if config.warmup and step <= config.warmup:
-        return config.lr * step / config.warmup
-    progress = min(1.0, (step - config.warmup) / max(1, total_steps - config.warmup))
-    floor = config.lr * config.min_lr_ratio
-    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; weight decay on the blocks' matrices only (not norms, biases or the
-    embedding). Router parameters (the routers and their predictors) learn at --router-lr-scale x the learning rate
-    (`lr_scale` of their groups)."""
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        decays = param.ndim == 2 and "embed" not in name
-        separate = config.router_lr_scale != 1.0 and ".router." in name  # default: the same two groups as ever
-        groups.setdefault((decays, separate), []).append(param)
-    return torch.optim.AdamW(
-        [{"params": params, "weight_decay": config.weight_decay if decays else 0.0,
-          "lr_scale": config.router_lr_scale if is_router else 1.0}
-         for (decays, is_router), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
-        lr=config.lr, betas=(0.9, 0.95), **_fused_if_possible([p for params in groups.values() for p in params]))
-
-
-def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:
-    """AdamW's fused kernel where it exists (plain CPU or CUDA tensors): one kernel over all parameters instead of
-    a loop of small ops. On the small preset's 6.5M parameters, one CPU step (1 thread) takes 6.8 ms fused against
-    64.5 ms (for-loop, PyTorch's CPU default): the update does not shrink with routed tokens, and it was most of an
-    MoD training step at batch 1 (the whole step measured 109.5 ms on 1 thread). Sharded (FSDP2 DTensor) or other
-    devices' parameters keep PyTorch's default."""
-    plain = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
-                for p in params)
-    return {"fused": True} if params and plain else {}
-
-
-def capacity_at(step: int, model_config: ModelConfig, config: TrainConfig) -> float:
-    """The capacity in force at `step` (from 1): 1.0 annealed linearly to --capacity over --capacity-warmup steps."""
-    if not config.capacity_warmup or step >= config.capacity_warmup:
-        return model_config.capacity
-    return 1.0 - (1.0 - model_config.capacity) * step / config.capacity_warmup
-
-
-def step_flops(config: RunConfig, world_size: int = 1) -> int:
-    """Training FLOPs of one optimiser step over the global batch."""
-    tc = config.train
-    return training_flops(config.model, config.model.seq_len) * tc.batch_size * tc.grad_accum * world_size
-
-
-def total_steps(config: RunConfig, world_size: int = 1) -> int:
-    """--max-steps, or with --flops-budget the steps that budget pays for (the budget wins)."""
-    if config.train.flops_budget:
-        return max(1, math.ceil(config.train.flops_budget / step_flops(config, world_size)))
-    return config.train.max_steps
-
-
 def validation_modes(model: MoDDecoder) -> list[str]:
     """Routing modes evaluated during training, causal first (e.g. router, predictor, then top-k for the topk
     router). The dense twin has no routed block, so every mode is the same model: one evaluation."""
@@ -199,76 +140,6 @@ def validation_losses(model: torch.nn.Module, corpus: Corpus, config: RunConfig,
     if not config.model.dense:
         result.update({f"val_loss_{mode}": loss for mode, loss in by_mode.items()})
     return result
-
-
-def _check_resumable(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
-    for section in ("model", "data"):
-        old, new = getattr(saved, section), getattr(config, section)
-        for f in fields(old):
-            if getattr(old, f.name) != getattr(new, f.name):
-                raise UserError(
-                    f"--resume: --{f.name.replace('_', '-')} is {getattr(new, f.name)!r} but {checkpoint} was "
-                    f"trained with {getattr(old, f.name)!r}"
-                )
-
-
-def _encode_rng(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode()
-
-
-def _decode_rng(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def rng_states(device: torch.device) -> dict[str, str]:
-    """This process' CPU RNG state and, on CUDA, its device's RNG state (base64, for state.json)."""
-    states = {"torch": _encode_rng(torch.get_rng_state())}
-    if device.type == "cuda":
-        states["cuda"] = _encode_rng(torch.cuda.get_rng_state(device))
-    return states
-
-
-def restore_rng_states(states: dict[str, str], device: torch.device) -> None:
-    """Undo `rng_states`; a CUDA state saved by a CPU run (or the reverse) leaves that generator as seeded."""
-    torch.set_rng_state(_decode_rng(states["torch"]))
-    if "cuda" in states and device.type == "cuda":
-        torch.cuda.set_rng_state(_decode_rng(states["cuda"]), device)
-
-
-def gather_resume_state(scaler: torch.amp.GradScaler, context: DistributedContext) -> dict[str, Any] | None:
-    """The random state a resumed run needs to repeat this one exactly, for state.json (a collective).
-
-    On rank 0: {"rng": {"ranks": [per-rank CPU and CUDA RNG states, indexed by rank]}, "grad_scaler": the float16
-    loss scaler's state_dict ({} when --dtype is not float16; it is the same on every rank)}. None elsewhere.
-    """
-    states = distributed.gather_to_main(rng_states(context.device), context)
-    if states is None:
-        return None
-    return {"rng": {"ranks": states}, "grad_scaler": scaler.state_dict()}
-
-
-def restore_resume_state(state: dict[str, Any], scaler: torch.amp.GradScaler, context: DistributedContext,
-                         dropout: float) -> str | None:
-    """Load what `gather_resume_state` saved into this rank; returns a note for rank 0 to print, if any.
-
-    With the world size of the saved run each rank takes its own RNG states. A checkpoint written before
-    per-rank states holds only rank 0's CPU state (`rng.torch`); the other ranks then keep their fresh seeds. With
-    another world size every rank keeps its fresh seed, so dropout masks differ from an uninterrupted run.
-    """
-    rng = state.get("rng", {})
-    per_rank = rng.get("ranks", [{"torch": rng["torch"]}] if "torch" in rng else [])
-    saved_world = state.get("world_size", 1)
-    note = None
-    if saved_world == context.world_size:
-        if context.rank < len(per_rank):
-            restore_rng_states(per_rank[context.rank], context.device)
-    elif dropout > 0:
-        note = (f"note: the checkpoint was saved with world size {saved_world} and resumes with world size "
-                f"{context.world_size}: ranks start from fresh seeds, so dropout randomness differs from an "
-                "uninterrupted run")
-    if state.get("grad_scaler") and scaler.is_enabled():
-        scaler.load_state_dict(state["grad_scaler"])
-    return note
 
 
 @dataclass
@@ -322,7 +193,7 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     init_val_loss = None
     if tc.resume:
         newest = existing[-1]
-        _check_resumable(_loading(read_config, newest, existing), config, newest)
+        check_resumable(_loading(read_config, newest, existing), config, newest)
         _loading(lambda checkpoint: load_weights(model, checkpoint), newest, existing)
         resume_state = _loading(_read_resume_state, newest, existing)
         optimizer_state = _loading(read_optimizer_state, newest, existing)
@@ -530,31 +401,10 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         while run.step < steps:
             step_start = time.perf_counter()
             lr = learning_rate(run.step + 1, steps, tc)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
             capacity = capacity_at(run.step + 1, mc, tc)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(tc.grad_accum):
-                distributed.gradient_sync(run.wrapped, micro == tc.grad_accum - 1)
-                inputs, targets = (t.to(device, non_blocking=True) for t in run.sampler.next())
-                with autocast(device, tc.dtype):
-                    objective = training_loss(forward, inputs, targets, tc, train_mode, capacity)
-                    total, loss = objective.total, objective.lm
-                    if nan_at_step == run.step + 1:
-                        total, loss = total * float("nan"), loss * float("nan")
-                scaler.scale(total / tc.grad_accum).backward()
-                loss_sum += loss.detach()
-            train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
-            if not math.isfinite(train_loss):
-                raise TrainingDiverged(diverged(f"the loss became {train_loss}", run.step + 1))
-            scaler.unscale_(run.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip or float("inf"))
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if not math.isfinite(grad_norm) and not scaler.is_enabled():  # float16's scaler skips such steps itself
-                raise TrainingDiverged(diverged(f"the gradient norm became {grad_norm}", run.step + 1))
-            scaler.step(run.optimizer)
-            scaler.update()
-            run.optimizer.zero_grad(set_to_none=True)
+            make_nan = nan_at_step == run.step + 1
+            train_loss, grad_norm, objective = _optimizer_step(run, forward, tc, context, lr, capacity, train_mode,
+                                                               make_nan, diverged)
             run.step += 1
             step_tokens = global_batch * mc.seq_len
             run.tokens += step_tokens
@@ -576,17 +426,9 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                       "grad_norm": grad_norm,
                       "tokens": run.tokens, "flops": run.flops,
                       "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
-                      "tokens_per_s": session_tokens / max(train_time, 1e-9)}
-            for term in objective.terms:
-                record[term.name] = term.value.item()
-            records = objective.aux.records
-            if records and tc.capacity_warmup:
-                record["capacity"] = capacity
-            if run.step % tc.log_every == 0 or last_step:
-                if records:
-                    record["routing"] = routing_agreement(records)
-                for name, read in objective.readers.items():
-                    record[name] = read()
+                      "tokens_per_s": session_tokens / max(train_time, 1e-9),
+                      **_objective_metrics(objective, capacity if tc.capacity_warmup else None,
+                                           detailed=run.step % tc.log_every == 0 or last_step)}
             if evaluate_now:
                 validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)
@@ -629,3 +471,52 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         compile_s=compile_stats.compile_s if compile_stats else None,
         graph_breaks=compile_stats.graph_breaks if compile_stats else None,
     )
+
+
+def _optimizer_step(run: _Prepared, forward, tc: TrainConfig, context: DistributedContext, lr: float,
+                    capacity: float, train_mode: str, make_nan: bool, diverged):
+    """One optimiser step over --grad-accum micro-batches: the objective, backward, gradient clipping, AdamW.
+    Returns (the mean LM loss across ranks, the gradient norm, the last micro-batch's Objective); a non-finite
+    loss or gradient norm raises TrainingDiverged (`diverged(what, step)` words it)."""
+    device, scaler = context.device, run.scaler
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(tc.grad_accum):
+        distributed.gradient_sync(run.wrapped, micro == tc.grad_accum - 1)
+        inputs, targets = (t.to(device, non_blocking=True) for t in run.sampler.next())
+        with autocast(device, tc.dtype):
+            objective = training_loss(forward, inputs, targets, tc, train_mode, capacity)
+            total, loss = objective.total, objective.lm
+            if make_nan:  # the test hook NAN_AT_STEP_ENV
+                total, loss = total * float("nan"), loss * float("nan")
+        scaler.scale(total / tc.grad_accum).backward()
+        loss_sum += loss.detach()
+    train_loss = distributed.mean_across_ranks(loss_sum / tc.grad_accum, context).item()
+    if not math.isfinite(train_loss):
+        raise TrainingDiverged(diverged(f"the loss became {train_loss}", run.step + 1))
+    scaler.unscale_(run.optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip or float("inf"))
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm) and not scaler.is_enabled():  # float16's scaler skips such steps itself
+        raise TrainingDiverged(diverged(f"the gradient norm became {grad_norm}", run.step + 1))
+    scaler.step(run.optimizer)
+    scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return train_loss, grad_norm, objective
+
+
+def _objective_metrics(objective: Objective, capacity: float | None, detailed: bool) -> dict[str, Any]:
+    """metrics.jsonl's keys of one step's objective: each auxiliary loss; with routed blocks the capacity in force
+    (--capacity-warmup); every --log-every steps (`detailed`) the routers' agreement and the per-block statistics
+    (one device sync each)."""
+    record: dict[str, Any] = {term.name: term.value.item() for term in objective.terms}
+    records = objective.aux.records
+    if records and capacity is not None:
+        record["capacity"] = capacity
+    if detailed:
+        if records:
+            record["routing"] = routing_agreement(records)
+        for name, read in objective.readers.items():
+            record[name] = read()
+    return record

@@ -242,7 +242,8 @@ def test_a_checkpoint_from_before_the_router_interface_loads_and_gives_the_same_
 
 def test_capacity_warmup_anneals_from_one_to_the_capacity_with_k_fixed_within_a_step(tmp_path, corpus_file):
     from modcli.config import TrainConfig
-    from modcli.training.loop import capacity_at, train
+    from modcli.training.loop import train
+    from modcli.training.schedule import capacity_at
 
     model_config, train_config = router_config("topk", capacity=0.25), TrainConfig(capacity_warmup=4)
     assert [capacity_at(step, model_config, train_config) for step in (1, 2, 3, 4, 5)] == [0.8125, 0.625, 0.4375,
@@ -261,7 +262,7 @@ def test_capacity_warmup_anneals_from_one_to_the_capacity_with_k_fixed_within_a_
 
 def test_router_parameters_learn_at_their_own_rate():
     from modcli.config import TrainConfig
-    from modcli.training.loop import make_optimizer
+    from modcli.training.schedule import make_optimizer
 
     model = fresh_model("topk")
     scaled = make_optimizer(model, TrainConfig(router_lr_scale=0.1))

@@ -108,7 +108,7 @@ def test_sweep_table_and_a_finished_sweep_trains_nothing(swept, tmp_path):
 
 def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, corpus_file, monkeypatch):
     import modcli.training.loop
-    from modcli.sweep.runner import SweepConfig, sweep
+    from modcli.sweep.runner import SweepConfig, run_sweep
 
     grid = write_grid(tmp_path / "grid.toml", corpus_file)
     out = tmp_path / "out"
@@ -124,13 +124,13 @@ def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, 
 
     monkeypatch.setattr(modcli.training.loop, "save_checkpoint", interrupt_after_first_mod_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        sweep(SweepConfig(grid=str(grid), out=str(out)), quiet=True)
+        run_sweep(SweepConfig(grid=str(grid), out=str(out)), quiet=True)
     assert [json.loads(line)["name"] for line in (out / "results.jsonl").read_text().splitlines()] == \
         ["2.5e8_d32-L2_dense"]
     assert saved == [("2.5e8_d32-L2_dense", 2), ("2.5e8_d32-L2_dense", 4), ("2.5e8_d32-L2_topk", 2)]
 
     saved.clear()
-    result = sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
+    result = run_sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
     assert result.skipped == ["2.5e8_d32-L2_dense"] and result.trained == ["2.5e8_d32-L2_topk"]
     assert saved == [("2.5e8_d32-L2_topk", 4), ("2.5e8_d32-L2_topk", 6)]  # from step 2 on, the dense run untouched
     steps = [json.loads(line)["step"] for line in (out / "runs" / "2.5e8_d32-L2_topk" / "metrics.jsonl").open()]
@@ -140,7 +140,7 @@ def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, 
     losses = {r["name"]: r["causal_loss"] for r in result.runs}
     (out / "results.jsonl").unlink()
     saved.clear()
-    again = sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
+    again = run_sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
     assert saved == [] and again.trained == []
     assert {r["name"]: r["causal_loss"] for r in again.runs} == pytest.approx(losses)
 
@@ -325,7 +325,7 @@ def test_routes_with_a_tokenizer_json(tmp_path):
 
 def test_a_run_saved_before_a_config_field_existed_is_still_the_same_point():
     from modcli.config import RunConfig
-    from modcli.sweep.runner import comparable
+    from modcli.sweep.grid import comparable
 
     saved = RunConfig().to_dict()
     del saved["model"]["dropout"]  # as written by a modcli without that field; loading gives its default

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from modcli.checkpoint.store import complete_checkpoints, load_model_from, resolve_checkpoint
 from modcli.errors import TrainingDiverged, UserError
 from modcli.models.flops import training_flops
-from modcli.training.loop import learning_rate, train
+from modcli.training.loop import train
+from modcli.training.schedule import learning_rate
 from tests.conftest import tiny_run_config
 
 
@@ -187,7 +188,7 @@ def test_resume_with_dropout_reproduces_the_uninterrupted_run(tmp_path, corpus_f
 
 def test_rng_and_grad_scaler_states_round_trip_through_state_json():
     from modcli.training.distributed import DistributedContext
-    from modcli.training.loop import gather_resume_state, restore_resume_state
+    from modcli.training.resume import gather_resume_state, restore_resume_state
 
     context = DistributedContext()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3, enabled=True)
@@ -221,7 +222,7 @@ def test_rng_and_grad_scaler_states_round_trip_through_state_json():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_rng_state_round_trips_through_state_json():
     from modcli.training.distributed import DistributedContext
-    from modcli.training.loop import gather_resume_state, restore_resume_state
+    from modcli.training.resume import gather_resume_state, restore_resume_state
 
     context = DistributedContext(device=torch.device("cuda", torch.cuda.current_device()))
     scaler = torch.amp.GradScaler("cuda", enabled=True)

@@ -36,11 +36,3 @@ register(RECURSION)
 DEFAULT_FAMILY = MOD.name
 
 
-
-def model_class(name: str) -> type:
-    """The decoder class of a family, imported on first use."""
-    return FAMILIES[name].model_class()
-
-
-ARCHITECTURES = FAMILIES
-architecture = family
