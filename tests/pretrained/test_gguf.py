@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +18,10 @@ import pytest
 import torch
 
 from modcli.errors import UserError
+from modcli.pretrained.gguf import TENSOR_TYPES, read_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-
-from modcli.pretrained.gguf import TENSOR_TYPES, read_gguf  # noqa: E402  (needs gguf only when called)
 
 D_MODEL, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 256
 HEAD_DIM = D_MODEL // HEADS
@@ -55,6 +55,7 @@ MODELS = {
 }
 
 
+@cache
 def byte_level_vocabulary() -> tuple[list[str], list[str]]:
     """A real little byte-level BPE (~300 tokens, three control tokens first): tokens by id, merges by rank."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -70,6 +71,7 @@ def byte_level_vocabulary() -> tuple[list[str], list[str]]:
     return sorted(model["vocab"], key=model["vocab"].get), [" ".join(merge) for merge in model["merges"]]
 
 
+@cache
 def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
     """A Llama-2-style vocabulary: <unk>, <s>, </s>, 256 byte tokens, then BPE pieces scored by rank; no merges."""
     from tokenizers import SentencePieceBPETokenizer
