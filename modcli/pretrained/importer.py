@@ -1,27 +1,31 @@
-"""`modcli import HF_DIR --out RUN`: a Hugging Face model folder -> a modcli run folder holding the dense model.
+"""`modcli import HF_DIR|FILE.gguf --out RUN`: a Hugging Face model folder, or a llama.cpp GGUF file, -> a modcli run
+folder holding the dense model.
 
-Reads config.json, model.safetensors or the shards a model.safetensors.index.json lists (never a pickle file), and
-tokenizer.json; writes RUN/step-00000000/ (a checkpoint like any other, the weights in --dtype) and
-RUN/tokenizer.json, so eval, generate and profile take RUN as they take a trained run. Nothing is downloaded and no
-code from the folder runs.
+A folder: config.json, model.safetensors or the shards a model.safetensors.index.json lists (never a pickle file),
+and tokenizer.json. A GGUF file (`modcli.pretrained.gguf`): its metadata as that config.json, its tensors
+dequantized to float, its tokenizer as a tokenizer.json. Writes RUN/step-00000000/ (a checkpoint like any other,
+the weights in --dtype) and RUN/tokenizer.json, so eval, generate and profile take RUN as they take a trained run,
+under the run folder's lock (as `modcli train` takes it). Nothing is downloaded and no code from the source runs.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from modcli.checkpoint.lock import RunLock, run_lock_path
 from modcli.checkpoint.store import complete_checkpoints, save_checkpoint
 from modcli.config import DataConfig, RunConfig, TrainConfig, require
 from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.decoder import MoDDecoder
 from modcli.pretrained.adapters import ADAPTERS
+from modcli.pretrained.gguf import read_gguf
 
 
 @dataclass
@@ -29,7 +33,8 @@ class ImportConfig:
     """What `modcli import` reads and writes."""
 
     source: str
-    """A Hugging Face model folder: config.json, model.safetensors (or its index and shards), tokenizer.json."""
+    """A Hugging Face model folder (config.json, model.safetensors or its index and shards, tokenizer.json), or a
+    llama.cpp GGUF file (Llama, Mistral, Qwen2)."""
     out: str
     """Run folder to write (must hold no checkpoint)."""
     seq_len: int | None = None
@@ -56,10 +61,57 @@ class ImportResult:
 def import_model(config: ImportConfig) -> ImportResult:
     """Import `config.source` into `config.out`; every user mistake is a UserError and nothing is written then."""
     source, out = Path(config.source), Path(config.out)
-    if not source.is_dir():
-        raise UserError(f"no such model folder: {source}")
-    if complete_checkpoints(out):
-        raise UserError(f"--out {out} already holds checkpoints; pick another --out")
+    if not source.exists():
+        raise UserError(f"no such model folder or GGUF file: {source}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a run folder")
+    lock = RunLock(run_lock_path(out), "import", out)
+    if not out.exists():
+        lock.remove_empty = out
+    lock.acquire()
+    try:
+        if complete_checkpoints(out):
+            raise UserError(f"--out {out} already holds checkpoints; pick another --out")
+        return _import(config, source, out)
+    finally:
+        lock.release()
+
+
+def _import(config: ImportConfig, source: Path, out: Path) -> ImportResult:
+    if source.is_dir():
+        hf, tensor_names, tensor, tokenizer = _read_folder(source)
+    else:
+        gguf_model = read_gguf(source)
+        hf, tensor_names, tensor, tokenizer = (gguf_model.config, gguf_model.tensor_names, gguf_model.tensor,
+                                               gguf_model.tokenizer_json)
+    architecture = hf["architectures"][0]
+    adapter = ADAPTERS[architecture]
+    model_config = adapter.model_config(hf, config.seq_len, tensor_names)
+    state = {name: value.to(TORCH_DTYPES[config.dtype]) for name, value in adapter.state_dict(model_config,
+                                                                                               tensor).items()}
+    with torch.device("meta"):
+        model = MoDDecoder(model_config)
+    expected = model.state_dict()
+    for name, value in state.items():
+        if tuple(expected[name].shape) != tuple(value.shape):
+            raise UserError(f"{source}: tensor for {name} has shape {tuple(value.shape)}, the config implies "
+                            f"{tuple(expected[name].shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if model_config.tie_embeddings:
+        model.head.weight = model.embed.weight
+    run = RunConfig(model=model_config, data=DataConfig(tokenizer="tokenizer.json"),
+                    train=TrainConfig(out=str(out), dtype="float32"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
+    state_json = {"step": 0, "tokens": 0, "flops": 0.0, "elapsed_s": 0.0, "imported_from": str(source.resolve()),
+                  "architecture": architecture}
+    checkpoint = save_checkpoint(out, 0, model, None, run, state_json, keep=1)
+    return ImportResult(str(out), str(checkpoint), architecture, model.num_parameters(), model_config.vocab_size,
+                        model_config.seq_len, "tokenizer.json")
+
+
+def _read_folder(source: Path) -> tuple[dict, set[str], Callable[[str], torch.Tensor], str]:
+    """A Hugging Face folder's (config.json, tensor names, tensor(name), tokenizer.json text)."""
     hf = _read_json(source / "config.json")
     architecture = (hf.get("architectures") or ["(none)"])[0]
     if architecture not in ADAPTERS:
@@ -74,29 +126,7 @@ def import_model(config: ImportConfig) -> ImportResult:
             raise UserError(f"{source}: tensor {name} is missing from {', '.join(sorted({p.name for p in handles}))}")
         return handles[files[name]].get_tensor(name)
 
-    adapter = ADAPTERS[architecture]
-    model_config = adapter.model_config(hf, config.seq_len, set(files))
-    state = {name: value.to(TORCH_DTYPES[config.dtype]) for name, value in adapter.state_dict(model_config,
-                                                                                               tensor).items()}
-    with torch.device("meta"):
-        model = MoDDecoder(model_config)
-    expected = model.state_dict()
-    for name, value in state.items():
-        if tuple(expected[name].shape) != tuple(value.shape):
-            raise UserError(f"{source}: tensor for {name} has shape {tuple(value.shape)}, config.json implies "
-                            f"{tuple(expected[name].shape)}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if model_config.tie_embeddings:
-        model.head.weight = model.embed.weight
-    run = RunConfig(model=model_config, data=DataConfig(tokenizer="tokenizer.json"),
-                    train=TrainConfig(out=str(out), dtype="float32"))
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
-    state_json = {"step": 0, "tokens": 0, "flops": 0.0, "elapsed_s": 0.0, "imported_from": str(source.resolve()),
-                  "architecture": architecture}
-    checkpoint = save_checkpoint(out, 0, model, None, run, state_json, keep=1)
-    return ImportResult(str(out), str(checkpoint), architecture, model.num_parameters(), model_config.vocab_size,
-                        model_config.seq_len, "tokenizer.json")
+    return hf, set(files), tensor, (source / "tokenizer.json").read_text(encoding="utf-8")
 
 
 def _read_json(path: Path) -> dict:

@@ -481,3 +481,26 @@ def test_bad_files_are_one_user_error_each(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # as if not installed
     with pytest.raises(UserError, match=r'needs the gguf package: pip install "modcli\[gguf\]"'):
         read_gguf(good)
+
+
+def test_modcli_import_reads_a_gguf_file(gguf_model, tmp_path):
+    """`modcli import FILE.gguf`: the run holds transformers' model and tokenizer; a bad file exits 2, one line."""
+    from typer.testing import CliRunner
+
+    from modcli.checkpoint.store import load_model_from
+    from modcli.cli import app
+
+    name, path, _, _ = gguf_model
+    _, reference, _ = transformers_load(path)
+    result = CliRunner().invoke(app, ["import", str(path), "--out", str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["architecture"] == read_gguf(path).config["architectures"][0]
+    model, _, _ = load_model_from(tmp_path / "run")
+    tokens = torch.randint(0, reference.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens).logits, atol=1e-4, rtol=0)
+    assert (tmp_path / "run" / "tokenizer.json").read_text(encoding="utf-8") == read_gguf(path).tokenizer_json
+    (tmp_path / "bad.gguf").write_text("not a GGUF file")
+    result = CliRunner().invoke(app, ["import", str(tmp_path / "bad.gguf"), "--out", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "not a readable GGUF file" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
