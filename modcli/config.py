@@ -16,7 +16,7 @@ from modcli.errors import UserError
 from modcli.models.families import DEFAULT_FAMILY, FAMILIES, Family
 from modcli.models.routing.registry import ROUTER_KINDS
 
-ROUTER_WEIGHTS = ("sigmoid", "identity", "none")
+ROUTER_WEIGHTS = ("sigmoid", "identity", "none", "unit")
 ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -75,7 +75,8 @@ class ModelConfig:
     """Router kind of the routed blocks (modcli.models.routing.registry): topk, random, threshold, attention (A-MoD) or
     integrated (MoDE: no-op experts in the MoE MLP)."""
     router_weight: str = "sigmoid"
-    """How the router logit scales the block's delta: sigmoid, identity (the paper) or none (gating off)."""
+    """How the router logit scales the block's delta: sigmoid, identity (the paper), none (gating off) or unit (value
+    1 with the sigmoid's gradient: a conversion --init-from a dense model starts as that model; its default there)."""
     router_hidden: int = 0
     """Hidden width of an MLP router (0: one linear layer), for routers with parameters."""
     threshold: float | None = None

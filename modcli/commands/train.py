@@ -97,6 +97,11 @@ def train(
         shape = {name: getattr(saved.model, name) for name in SHAPE_FIELDS}
         flags = {**shape, "seq_len": saved.model.seq_len, "tokenizer": saved.data.tokenizer, **flags}
     run_config = modcli.resolve_run_config(base, str(config) if config else None, flags)
+    if init_from and not resume and "router_weight" not in flags and run_config.model.routed_layers():
+        # A conversion starts as the model it came from: a processed token gets the block's whole update (router
+        # weight of value 1, the sigmoid's gradient), so with every token processed the logits are the original's.
+        run_config = modcli.resolve_run_config(base, str(config) if config else None,
+                                               {**flags, "router_weight": "unit"})
     result = modcli.train(run_config, quiet=False)
     if not is_main_process():
         return

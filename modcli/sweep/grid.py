@@ -223,14 +223,14 @@ def budget_label(budget: float) -> str:
     return f"{float(mantissa):g}e{int(exponent)}"
 
 
-def size_name(name: str | None, config: RunConfig) -> str:
+def size_label(name: str | None, config: RunConfig) -> str:
     return name or f"d{config.model.d_model}-L{config.model.n_layers}"
 
 
 SHORT = {"capacity": "c", "route_every": "every", "route_offset": "offset", "route_part": "part", "threshold": "p"}
 
 
-def variant_name(name: str | None, flags: dict[str, Any], config: RunConfig) -> str:
+def variant_label(name: str | None, flags: dict[str, Any], config: RunConfig) -> str:
     if name:
         return name
     parts = ["dense" if config.model.dense else config.model.router]

@@ -76,6 +76,8 @@ from modcli.sweep.grid import (
     one_line,
     planned_record,
     read_results,
+    size_label,
+    variant_label,
     write_results,
 )
 from modcli.training.loop import train
@@ -96,7 +98,7 @@ def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = N
                 config = resolve_run_config(grid.preset, None, flags)
             except UserError as exc:
                 raise UserError(f"{where}: {exc}") from None
-            name = f"{budget_label(budget)}_{size_name(size_name, config)}_{variant_name(variant_name, variant, config)}"
+            name = f"{budget_label(budget)}_{size_label(size_name, config)}_{variant_label(variant_name, variant, config)}"
             config.train.out = str(out / RUNS / name)
             per_step = step_flops(config)
             if budget < per_step:
@@ -106,8 +108,8 @@ def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = N
             shape = json.dumps(dataclasses.asdict(config.model), sort_keys=True)
             if shape not in parameters:
                 parameters[shape] = build_model(config.model).num_parameters()
-            points.append(GridPoint(name, budget, size_name(size_name, config),
-                                    variant_name(variant_name, variant, config), config,
+            points.append(GridPoint(name, budget, size_label(size_name, config),
+                                    variant_label(variant_name, variant, config), config,
                                     math.ceil(budget / per_step), per_step, parameters[shape]))
     names = [p.name for p in points]
     duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -23,10 +23,19 @@ from modcli.models.routing.selection import Selection
 if TYPE_CHECKING:
     from modcli.config import ModelConfig
 
+def unit_weight(logits: Tensor) -> Tensor:
+    """Value exactly 1 with the sigmoid's gradient: (s - stopgrad(s)) + 1, s = sigmoid(logits). A processed token's
+    update is the block's whole delta, as in the model a conversion starts from, and the router still learns by
+    gradient through the weight."""
+    weight = torch.sigmoid(logits)
+    return weight - weight.detach() + 1.0
+
+
 ROUTER_WEIGHT_FUNCTIONS = {
     "sigmoid": torch.sigmoid,
     "identity": lambda logits: logits,
     "none": torch.ones_like,
+    "unit": unit_weight,
 }
 
 
