@@ -25,6 +25,7 @@ def test_help_lists_the_commands(runner):
         assert command in result.output
 
 
+@pytest.mark.slow
 def test_train_json_then_eval_and_generate(runner, tmp_path, corpus_file):
     out = tmp_path / "run"
     result = runner.invoke(app, ["train", "--data", str(corpus_file), "--out", str(out), "--max-steps", "6",
@@ -69,6 +70,7 @@ def test_config_file_is_read_and_flags_win(runner, tmp_path, corpus_file):
     assert saved["model"]["n_layers"] == 2 and saved["train"]["batch_size"] == 2
 
 
+@pytest.mark.slow
 def test_resume_continues_a_finished_run_with_more_steps(runner, tmp_path, corpus_file):
     out = tmp_path / "run"
     args = ["train", "--data", str(corpus_file), "--out", str(out), "--eval-every", "2", *TINY]
@@ -113,6 +115,7 @@ def _bad(tmp_path, corpus_file, trained_run, trained_dense_run):
     ]
 
 
+@pytest.mark.slow
 def test_every_bad_input_is_one_line_and_exit_2(runner, tmp_path, corpus_file, trained_run, trained_dense_run):
     for args, message in _bad(tmp_path, corpus_file, trained_run, trained_dense_run):
         result = runner.invoke(app, args)

@@ -104,6 +104,7 @@ def test_exit_threshold_one_is_the_full_model_and_exits_fill_the_cache_from_the_
         torch.testing.assert_close(cache.layers[layer].values[:, :, 10:30], values[:, :, 10:], atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_generate_with_exits_and_speculative_decoding_equal_the_full_greedy_output():
     model = _model()
     full = _generate(model)
@@ -178,6 +179,7 @@ def early_exit_run(tmp_path_factory, corpus_file):
     return out, json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_train_eval_generate_profile_from_the_command_line(early_exit_run):
     out, summary = early_exit_run
     assert summary["steps"] == 4 and summary["val_loss"] > 0

@@ -151,6 +151,7 @@ def trained_kinds(tmp_path_factory, corpus_file):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_command_works_with_the_router(kind, trained_kinds, tmp_path):
     runner, run = CliRunner(), str(trained_kinds[kind])
@@ -178,6 +179,7 @@ def test_every_command_works_with_the_router(kind, trained_kinds, tmp_path):
     assert profiled["ratio"]["forward_latency"]["measured"] > 0 and profiled["model"]["processed_fraction"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_onnx_graphs_equal_eager_pytorch(kind, trained_kinds, tmp_path):
     from modcli.bundle.writer import ExportConfig, export
@@ -236,6 +238,7 @@ def test_a_checkpoint_from_before_the_router_interface_loads_and_gives_the_same_
             torch.testing.assert_close(loaded(tokens, mode), model(tokens, mode), atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_capacity_warmup_anneals_from_one_to_the_capacity_with_k_fixed_within_a_step(tmp_path, corpus_file):
     from modcli.config import TrainConfig
     from modcli.training.loop import capacity_at, train
@@ -289,6 +292,7 @@ def test_route_part_routes_only_its_part(part):
     assert not torch.allclose(out[~chosen], x[~chosen])  # the part that is not routed still ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", PARTS)
 def test_route_part_exports_to_onnx_equal_to_eager(part, tmp_path, corpus_file):
     from modcli.bundle.writer import ExportConfig, export
@@ -301,6 +305,7 @@ def test_route_part_exports_to_onnx_equal_to_eager(part, tmp_path, corpus_file):
     assert result.valid, result.failures
 
 
+@pytest.mark.slow
 def test_route_layers_routes_exactly_the_named_blocks(tmp_path, corpus_file):
     runner = CliRunner()
     common = ["train", "--data", str(corpus_file), "--d-model", "32", "--n-layers", "4", "--n-heads", "4",

@@ -68,6 +68,7 @@ def swept(tmp_path_factory, corpus_file) -> tuple[Path, dict]:
     return root / "out", json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_sweep_writes_runs_results_and_plots(swept):
     out, summary = swept
     names = [r["name"] for r in summary["runs"]]
@@ -98,6 +99,7 @@ def test_sweep_writes_runs_results_and_plots(swept):
         assert summary["plots"][plot.removesuffix(".png")] == str(out / plot)
 
 
+@pytest.mark.slow
 def test_sweep_table_and_a_finished_sweep_trains_nothing(swept, tmp_path):
     out, _ = swept
     result = CliRunner().invoke(app, ["sweep", str(out / "grid.toml"), "--out", str(out), "--profile"])
@@ -106,6 +108,7 @@ def test_sweep_table_and_a_finished_sweep_trains_nothing(swept, tmp_path):
     assert "0 trained now, 2 already done" in words and "budget 2.5e8: best MoD" in words
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, corpus_file, monkeypatch):
     import modcli.training.loop
     from modcli.sweep.runner import SweepConfig, sweep
@@ -145,6 +148,7 @@ def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, 
     assert {r["name"]: r["causal_loss"] for r in again.runs} == pytest.approx(losses)
 
 
+@pytest.mark.slow
 def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path, corpus_file, monkeypatch):
     import modcli.training.loop
     from modcli.errors import TrainingDiverged
@@ -196,6 +200,7 @@ def test_missing_grid_and_missing_corpus_exit_2(tmp_path):
     assert result.exit_code == 2 and "missing.txt" in result.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_plot_draws_training_curves_of_several_runs(swept, tmp_path):
     out, _ = swept
     runs = sorted(str(p) for p in (out / "runs").iterdir())
@@ -246,6 +251,7 @@ def _check_page(page: str, n_tokens: int, text: str, layers: list[int]) -> None:
     assert "http://" not in page and "https://" not in page and "<link" not in page  # self-contained
 
 
+@pytest.mark.slow
 def test_routes_html_and_png_of_a_trained_run(swept, tmp_path):
     out, _ = swept
     run = out / "runs" / "2.5e8_d32-L2_topk"
