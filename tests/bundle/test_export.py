@@ -119,6 +119,7 @@ def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing, part, kv_h
     assert all(0 < cache.layers[layer].lengths.sum() < batch * steps for layer in routed)  # both branches used
 
 
+@pytest.mark.slow
 def test_write_new_rows_keeps_only_the_rows_that_keep_their_kv_in_place():
     from modcli.decode.graphs import write_new_rows
 

@@ -305,6 +305,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_exits_1_with_one_line(
     assert leftovers(out) == []  # no temporary folder, no lock
 
 
+@pytest.mark.slow
 def test_a_real_write_failure_is_one_line_and_leaves_nothing(forkserver, corpus_file, tmp_path):
     """A file-size limit makes the OS refuse the write of model.safetensors (EFBIG), as a full disk would."""
     out, log = tmp_path / "run", tmp_path / "child.log"

@@ -57,6 +57,7 @@ def test_train_json_then_eval_and_generate(runner, tmp_path, corpus_file):
     assert "KV cache" in result.stderr and "tokens/s" in result.stderr
 
 
+@pytest.mark.slow
 def test_config_file_is_read_and_flags_win(runner, tmp_path, corpus_file):
     config = tmp_path / "run.toml"
     config.write_text('[model]\nd-model = 32\nn_heads = 4\nn_layers = 2\nseq_len = 32\n'
@@ -134,6 +135,7 @@ def test_incomplete_checkpoint_is_named_as_such(runner, tmp_path):
     assert result.exit_code == 2 and "incomplete checkpoint" in result.stderr
 
 
+@pytest.mark.slow
 def test_predictor_routing_needs_a_predictor(runner, tmp_path, corpus_file):
     out = tmp_path / "nopred"
     result = runner.invoke(app, ["train", "--data", str(corpus_file), "--out", str(out), "--max-steps", "2",

@@ -247,6 +247,7 @@ def test_bad_flags_are_one_line_and_exit_2(early_exit_run, corpus_file, tmp_path
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+@pytest.mark.slow
 def test_resume_repeats_the_layer_dropout_of_the_uninterrupted_run(tmp_path, corpus_file):
     import shutil
 

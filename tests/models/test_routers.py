@@ -118,6 +118,7 @@ def test_processing_every_token_without_gating_equals_the_dense_twin(kind):
     assert model.capabilities.static_mode in everything
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_resumed_run_equals_the_uninterrupted_one(kind, tmp_path, corpus_file):
     from modcli.training.loop import train
