@@ -188,7 +188,7 @@ def test_in_function_imports_are_found_and_judged(tmp_path):
 
 # A layout entry: a name with a file extension or a trailing slash, possibly with folders before it.
 PATH_LIKE = re.compile(r"^(?:[\w.-]+/)*(?:[\w-][\w.-]*\.[A-Za-z][A-Za-z0-9]*|[\w.-]+/)$")
-TREE_DRAWING = "│├└─┬┼|`+ \t\u00a0"
+TREE_DRAWING = "│├└─┬┼|`+- \t\u00a0"  # box drawing, or ASCII `|-- name`, `` `-- name ``
 
 
 def layout_section(readme: str) -> str:
@@ -250,6 +250,8 @@ def test_layout_reader_handles_trees_lists_and_tables():
     assert layout_paths(tree) == ["modcli/", "modcli/config.py", "modcli/models/", "modcli/models/routing/",
                                   "modcli/models/cache.py", "modcli/cli.py", "export/modcli_runtime/",
                                   "bench/gpu.sh"]
+    ascii_tree = "## Layout\n~~~\nexport/\n|-- modcli_runtime/   the runtime\n`-- README.md\n~~~\n"
+    assert layout_paths(ascii_tree) == ["export/", "export/modcli_runtime/", "export/README.md"]
     table = "## Package layout\n\n| path | what |\n| --- | --- |\n| `modcli/data/` | corpora |\n| `a.py`, `b/c.py` | x |\n"
     assert layout_paths(table) == ["modcli/data/", "a.py", "b/c.py"]
 
