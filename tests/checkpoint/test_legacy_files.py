@@ -39,7 +39,6 @@ def run_modcli(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-@pytest.mark.slow  # 16 batches of 8 windows in three routing modes: about 2 s
 def test_eval_gives_the_same_losses_and_processed_fractions_per_routing_mode(legacy):
     report = run_modcli("eval", "run", "--data", "corpus.txt")
     old = expected("eval.json")

@@ -25,7 +25,6 @@ def test_help_lists_the_commands(runner):
         assert command in result.output
 
 
-@pytest.mark.slow
 def test_train_json_then_eval_and_generate(runner, tmp_path, corpus_file):
     out = tmp_path / "run"
     result = runner.invoke(app, ["train", "--data", str(corpus_file), "--out", str(out), "--max-steps", "6",
@@ -57,7 +56,6 @@ def test_train_json_then_eval_and_generate(runner, tmp_path, corpus_file):
     assert "KV cache" in result.stderr and "tokens/s" in result.stderr
 
 
-@pytest.mark.slow
 def test_config_file_is_read_and_flags_win(runner, tmp_path, corpus_file):
     config = tmp_path / "run.toml"
     config.write_text('[model]\nd-model = 32\nn_heads = 4\nn_layers = 2\nseq_len = 32\n'
@@ -71,7 +69,6 @@ def test_config_file_is_read_and_flags_win(runner, tmp_path, corpus_file):
     assert saved["model"]["n_layers"] == 2 and saved["train"]["batch_size"] == 2
 
 
-@pytest.mark.slow
 def test_resume_continues_a_finished_run_with_more_steps(runner, tmp_path, corpus_file):
     out = tmp_path / "run"
     args = ["train", "--data", str(corpus_file), "--out", str(out), "--eval-every", "2", *TINY]
@@ -116,7 +113,6 @@ def _bad(tmp_path, corpus_file, trained_run, trained_dense_run):
     ]
 
 
-@pytest.mark.slow
 def test_every_bad_input_is_one_line_and_exit_2(runner, tmp_path, corpus_file, trained_run, trained_dense_run):
     for args, message in _bad(tmp_path, corpus_file, trained_run, trained_dense_run):
         result = runner.invoke(app, args)
@@ -135,7 +131,6 @@ def test_incomplete_checkpoint_is_named_as_such(runner, tmp_path):
     assert result.exit_code == 2 and "incomplete checkpoint" in result.stderr
 
 
-@pytest.mark.slow
 def test_predictor_routing_needs_a_predictor(runner, tmp_path, corpus_file):
     out = tmp_path / "nopred"
     result = runner.invoke(app, ["train", "--data", str(corpus_file), "--out", str(out), "--max-steps", "2",

@@ -149,7 +149,6 @@ def test_train_flags(extra, corpus_file, tmp_path_factory):
     check(invoke(tmp_path_factory, base + extra), base + extra, allowed=(0, 2, 3))
 
 
-@pytest.mark.slow
 @fuzz_settings(16)
 @given(extra=drawn_flags(command_flags(evaluate.eval_command), frozenset({"batches", "batch_size"})),
        where=st.integers(0, 6))
@@ -159,7 +158,6 @@ def test_eval_flags(extra, where, trained_run, tmp_path_factory):
     check(invoke(tmp_path_factory, args), args)
 
 
-@pytest.mark.slow
 @fuzz_settings(16)
 @given(extra=drawn_flags(without(command_flags(generate.generate), "compile")), where=st.integers(0, 6))
 def test_generate_flags(extra, where, trained_run, tmp_path_factory):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 from typer.testing import CliRunner
 
 from modcli.cli import app
@@ -14,7 +13,6 @@ from tests.conftest import make_corpus_text
 runner = CliRunner()
 
 
-@pytest.mark.slow
 def test_a_trained_tokenizer_drives_a_run_from_scratch(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_corpus_text(1500))

@@ -104,7 +104,6 @@ def test_exit_threshold_one_is_the_full_model_and_exits_fill_the_cache_from_the_
         torch.testing.assert_close(cache.layers[layer].values[:, :, 10:30], values[:, :, 10:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.slow
 def test_generate_with_exits_and_speculative_decoding_equal_the_full_greedy_output():
     model = _model()
     full = _generate(model)
@@ -247,7 +246,6 @@ def test_bad_flags_are_one_line_and_exit_2(early_exit_run, corpus_file, tmp_path
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-@pytest.mark.slow
 def test_resume_repeats_the_layer_dropout_of_the_uninterrupted_run(tmp_path, corpus_file):
     import shutil
 

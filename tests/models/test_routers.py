@@ -118,7 +118,6 @@ def test_processing_every_token_without_gating_equals_the_dense_twin(kind):
     assert model.capabilities.static_mode in everything
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_resumed_run_equals_the_uninterrupted_one(kind, tmp_path, corpus_file):
     from modcli.training.loop import train
@@ -239,7 +238,6 @@ def test_a_checkpoint_from_before_the_router_interface_loads_and_gives_the_same_
             torch.testing.assert_close(loaded(tokens, mode), model(tokens, mode), atol=0, rtol=0)
 
 
-@pytest.mark.slow
 def test_capacity_warmup_anneals_from_one_to_the_capacity_with_k_fixed_within_a_step(tmp_path, corpus_file):
     from modcli.config import TrainConfig
     from modcli.training.loop import capacity_at, train
@@ -306,7 +304,6 @@ def test_route_part_exports_to_onnx_equal_to_eager(part, tmp_path, corpus_file):
     assert result.valid, result.failures
 
 
-@pytest.mark.slow
 def test_route_layers_routes_exactly_the_named_blocks(tmp_path, corpus_file):
     runner = CliRunner()
     common = ["train", "--data", str(corpus_file), "--d-model", "32", "--n-layers", "4", "--n-heads", "4",

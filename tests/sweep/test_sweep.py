@@ -108,7 +108,6 @@ def test_sweep_table_and_a_finished_sweep_trains_nothing(swept, tmp_path):
     assert "0 trained now, 2 already done" in words and "budget 2.5e8: best MoD" in words
 
 
-@pytest.mark.slow
 def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, corpus_file, monkeypatch):
     import modcli.training.loop
     from modcli.sweep.runner import SweepConfig, sweep
@@ -148,7 +147,6 @@ def test_an_interrupted_sweep_resumes_without_training_anything_twice(tmp_path, 
     assert {r["name"]: r["causal_loss"] for r in again.runs} == pytest.approx(losses)
 
 
-@pytest.mark.slow
 def test_a_diverged_run_is_recorded_and_the_sweep_goes_on(tmp_path, corpus_file, monkeypatch):
     import modcli.training.loop
     from modcli.errors import TrainingDiverged

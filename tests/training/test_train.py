@@ -72,7 +72,6 @@ def _table_rows(output: str) -> list[str]:
     return [" ".join(line.strip("│┃ ").split()) for line in output.splitlines()]
 
 
-@pytest.mark.slow
 def test_train_summary_lists_the_causal_loss_before_the_top_k_one(tmp_path, corpus_file):
     from typer.testing import CliRunner
 
@@ -163,7 +162,6 @@ def _dropout_config(corpus: Path, out: Path, **train_overrides):
     return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.1))
 
 
-@pytest.mark.slow
 def test_resume_with_dropout_reproduces_the_uninterrupted_run(tmp_path, corpus_file):
     reference = tmp_path / "reference"
     train(_dropout_config(corpus_file, reference), quiet=True)
@@ -237,7 +235,6 @@ def test_cuda_rng_state_round_trips_through_state_json():
     assert torch.equal(torch.rand(5, device="cuda"), expected)
 
 
-@pytest.mark.slow
 def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path, corpus_file, monkeypatch):
     import modcli.checkpoint.store as checkpoint
 
@@ -259,7 +256,6 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path, c
     load_model_from(out)
 
 
-@pytest.mark.slow
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, corpus_file, monkeypatch):
     import modcli.training.objective as objective_module
 
@@ -278,7 +274,6 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path, co
     assert resolve_checkpoint(out).name == "step-00000010"
 
 
-@pytest.mark.slow
 def test_flops_budget_stops_training(tmp_path, corpus_file):
     config = tiny_run_config(corpus_file, tmp_path / "run", max_steps=1000, eval_every=100)
     per_step = training_flops(config.model, config.model.seq_len) * config.train.batch_size
