@@ -27,10 +27,10 @@ HEAVY_OPTIONAL = (
 )
 
 
-def module_files() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of both packages (a package is named by its __init__.py)."""
+def module_files(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the packages (a package is named by its __init__.py)."""
     files = {}
-    for package, folder in PACKAGES.items():
+    for package, folder in packages.items():
         for path in sorted(folder.rglob("*.py")):
             parts = [package, *path.relative_to(folder).with_suffix("").parts]
             if parts[-1] == "__init__":
@@ -51,11 +51,11 @@ def imported_names(module: str, path: Path, node: ast.Import | ast.ImportFrom) -
     return [base, *(f"{base}.{alias.name}" for alias in node.names)]
 
 
-def import_graph() -> dict[str, dict[str, str]]:
+def import_graph(packages: dict[str, Path] = PACKAGES, root: Path = ROOT) -> dict[str, dict[str, str]]:
     """module -> {module it imports -> "file:line" of the first such import}, over every import statement
     (module level, in functions, under TYPE_CHECKING). A package's __init__ imported by one of its own submodules
     is no edge: Python has already started that __init__ by the time the submodule runs."""
-    files = module_files()
+    files = module_files(packages)
 
     def known(name: str) -> str | None:
         while name and name not in files:
@@ -73,7 +73,7 @@ def import_graph() -> dict[str, dict[str, str]]:
                     continue
                 if files[target].name == "__init__.py" and module.startswith(target + "."):
                     continue
-                graph[module].setdefault(target, f"{path.relative_to(ROOT)}:{node.lineno}")
+                graph[module].setdefault(target, f"{path.relative_to(root)}:{node.lineno}")
     return graph
 
 
@@ -129,22 +129,44 @@ def shortest_circle(graph: dict[str, dict[str, str]], start: str) -> list[str]:
     raise AssertionError(f"{start} is in no circle")
 
 
-def test_the_import_graph_sees_imports_of_every_kind():
-    """The graph below is only as good as its edges: module level, relative, in-function and `from x import y`."""
-    graph = import_graph()
-    assert "modcli.config" in graph and "modcli_runtime.cli" in graph
-    assert any(target.startswith("modcli.") for target in graph["modcli.cli"])
-    assert any(target.startswith("modcli_runtime.") for target in graph["modcli_runtime.cli"])
-    assert "modcli.checkpoint.store" in graph["modcli"]  # modcli/__init__.py imports it inside load_model
-
-
-def test_no_import_circle():
-    graph = import_graph()
+def import_circles(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One shortest circle per group of modules that import each other, each import with its file:line."""
     circles = []
     for component in strongly_connected_components(graph):
         circle = shortest_circle(graph, component[0])
         steps = " -> ".join(f"{a} ({graph[a][b]})" for a, b in pairwise(circle))
         circles.append(f"{steps} -> {circle[-1]}   [circle among {len(component)} modules: {', '.join(component)}]")
+    return circles
+
+
+def test_the_import_graph_sees_imports_of_every_kind_and_names_the_circle(tmp_path):
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg import b\n",  # `from x import y` with y a module; pkg is a's own package
+        "pkg/b.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .c import Thing\n",
+        "pkg/c.py": "def f():\n    import pkg.a\n",
+        "pkg/sub/__init__.py": "from .d import X\n",
+        "pkg/sub/d.py": "import os\n\nfrom .. import sub\n",  # its own packages: no edge, so no circle with sub
+        "other/__init__.py": "",
+        "other/e.py": "from pkg.sub import d\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph({"pkg": tmp_path / "pkg", "other": tmp_path / "other"}, root=tmp_path)
+    assert {module: sorted(targets) for module, targets in graph.items()} == {
+        "pkg": [], "pkg.a": ["pkg.b"], "pkg.b": ["pkg.c"], "pkg.c": ["pkg.a"], "pkg.sub": ["pkg.sub.d"],
+        "pkg.sub.d": [], "other": [], "other.e": ["pkg.sub", "pkg.sub.d"]}
+    assert import_circles(graph) == ["pkg.a (pkg/a.py:1) -> pkg.b (pkg/b.py:4) -> pkg.c (pkg/c.py:2) -> pkg.a   "
+                                     "[circle among 3 modules: pkg.a, pkg.b, pkg.c]"]
+
+    real = import_graph()
+    assert any(target.startswith("modcli.commands") for target in real["modcli.cli"])
+    assert any(target.startswith("modcli_runtime.") for target in real["modcli_runtime.cli"])
+
+
+def test_no_import_circle():
+    circles = import_circles(import_graph())
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
