@@ -10,7 +10,9 @@ import torch
 
 from modcli.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 
-torch.set_num_threads(2)
+# Tiny models gain nothing from a second intra-op thread, and on a shared 2-core machine the threads wait for each
+# other: one thread ran tests/decode/test_decoding.py, test_moe.py and test_routers.py (not slow) in 9 s, two in 24-42 s.
+torch.set_num_threads(1)
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

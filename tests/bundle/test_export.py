@@ -76,6 +76,7 @@ def test_forward_wrapper_equals_the_model_topk_forward():
             assert torch.equal(selected, record.selection.selected_idx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("routing, part, kv_heads", [("router", "block", 0), ("predictor", "block", 2),
                                                     ("router", "mlp", 0), ("router", "attention", 2)])
 @torch.no_grad()
@@ -119,6 +120,7 @@ def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing, part, kv_h
     assert all(0 < cache.layers[layer].lengths.sum() < batch * steps for layer in routed)  # both branches used
 
 
+@pytest.mark.slow
 def test_write_new_rows_keeps_only_the_rows_that_keep_their_kv_in_place():
     from modcli.decode.graphs import write_new_rows
 
@@ -143,6 +145,7 @@ def test_write_new_rows_keeps_only_the_rows_that_keep_their_kv_in_place():
     assert torch.equal(keys[0, :, 3], new_keys[0, :, 0])
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_tied_router_scores_select_the_same_positions_in_eager_torch_export_and_onnx(tmp_path):
     """A window opening with repeated bytes (a file's triple quote) gives bit-identical router logits at the k-th
@@ -198,6 +201,7 @@ def test_validation_lengths_cover_every_rounding_of_k():
 # ----------------------------------------------------------------------------------------------- the bundle
 
 
+@pytest.mark.slow
 def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     from modcli_runtime.bundle import sha256_of
 
@@ -231,6 +235,7 @@ def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     assert not list(bundle.parent.glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_onnx_forward_graph_equals_pytorch_at_new_shapes(bundle, trained_run):
     from modcli_runtime import load_bundle
 
@@ -248,6 +253,7 @@ def test_onnx_forward_graph_equals_pytorch_at_new_shapes(bundle, trained_run):
         assert all(s.shape[1] == model.config.capacity_tokens(length) for s in selected)
 
 
+@pytest.mark.slow
 def test_onnx_decode_graph_equals_the_causal_forward(bundle, trained_run):
     """Teacher-forced decoding through the graph = one causal PyTorch forward (router rule), B > 1."""
     from modcli_runtime import load_bundle
@@ -289,6 +295,7 @@ def onnx_names_read(graph) -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_decode_graph_skips_a_routed_block_with_an_if_that_reads_no_cache(bundle):
     """Each routed block sits in an If whose skip branch holds no MatMul and reads no keys/values/lengths input:
     a skipped batch does no block work and touches no cache memory."""
@@ -310,6 +317,7 @@ def test_decode_graph_skips_a_routed_block_with_an_if_that_reads_no_cache(bundle
                           for kind in ("keys", "values")}
 
 
+@pytest.mark.slow
 def test_aot_inductor_package_runs_and_matches(tmp_path):
     """--compile: ExportedProgram and AOTInductor package of the top-k forward graph (a ~15 s C++ compile)."""
     checkpoint = random_checkpoint(tmp_path / "run", n_layers=1, route_offset=0)  # one routed block
@@ -337,6 +345,7 @@ def test_aot_inductor_package_runs_and_matches(tmp_path):
 # ----------------------------------------------------------------------------------------------- the command
 
 
+@pytest.mark.slow
 def test_cli_exports_a_dense_model_and_replaces_a_bundle_with_force(runner, trained_dense_run, tmp_path):
     out = tmp_path / "bundle"
     out.mkdir()
@@ -352,6 +361,7 @@ def test_cli_exports_a_dense_model_and_replaces_a_bundle_with_force(runner, trai
     assert manifest["model"]["dense"] is True and manifest["graphs"]["decode"]["routing"] == "dense"
 
 
+@pytest.mark.slow
 def test_a_validation_failure_exits_non_zero_and_marks_the_bundle_invalid(runner, trained_dense_run, tmp_path,
                                                                          monkeypatch):
     import modcli.bundle.validation as validation

@@ -150,6 +150,7 @@ def save_stage(run: Path, step: int) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_moment_of_a_save_leaves_a_loadable_checkpoint_and_resume_finishes(
         forkserver, reference_run, corpus_file, tmp_path, runner):
     assert len(KILL_POINTS) == 20
@@ -219,6 +220,7 @@ def test_stale_temporary_folders_are_cleaned_and_a_displaced_checkpoint_is_put_b
     load_model_from(run)
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_its_lock_is_taken_over_and_a_live_one_refuses_a_second_run(
         forkserver, corpus_file, tmp_path, runner):
     out, log = tmp_path / "run", tmp_path / "first.log"
@@ -303,6 +305,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_exits_1_with_one_line(
     assert leftovers(out) == []  # no temporary folder, no lock
 
 
+@pytest.mark.slow
 def test_a_real_write_failure_is_one_line_and_leaves_nothing(forkserver, corpus_file, tmp_path):
     """A file-size limit makes the OS refuse the write of model.safetensors (EFBIG), as a full disk would."""
     out, log = tmp_path / "run", tmp_path / "child.log"
@@ -486,6 +489,7 @@ def _run_cli(args: list[str], capsys) -> tuple[int, str]:
     return exit_info.value.code, capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["truncated-graph", "bit-flipped-graph", "edited-config", "missing-file",
                                   "missing-manifest", "impossible-manifest", "truncated-graph-unverified"])
 def test_modcli_run_refuses_a_damaged_bundle_with_one_line(case, bundle, tmp_path, capsys):
@@ -522,6 +526,7 @@ def test_modcli_run_refuses_a_damaged_bundle_with_one_line(case, bundle, tmp_pat
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_modcli_run_bad_flags_are_one_line_and_exit_2(bundle, capsys):
     for args, expected in (([str(bundle), "--max-new-tokens", "many"], "invalid int value: 'many'"),
                            ([str(bundle), "--provider", "tpu"], "invalid choice: 'tpu'"),

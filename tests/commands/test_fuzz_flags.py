@@ -138,6 +138,7 @@ TRAIN_FLAGS = without(command_flags(train.train), "compile")
 TRAIN_WORKLOAD = frozenset({"max_steps", "eval_batches", "grad_accum", "flops_budget", "eval_every"})
 
 
+@pytest.mark.slow
 @fuzz_settings(24)
 @given(extra=drawn_flags(TRAIN_FLAGS, TRAIN_WORKLOAD))
 def test_train_flags(extra, corpus_file, tmp_path_factory):
@@ -168,6 +169,7 @@ def test_generate_flags(extra, where, trained_run, tmp_path_factory):
 PROFILE_WORKLOAD = frozenset({"repeats", "warmup", "decode_tokens", "batch_size", "seq_len"})
 
 
+@pytest.mark.slow
 @fuzz_settings(16)
 @given(extra=drawn_flags(without(command_flags(profile.profile), "compile", "backends", "memory", "seq_lens"), PROFILE_WORKLOAD))
 def test_profile_flags(extra, tmp_path_factory):
@@ -214,6 +216,7 @@ def test_tokenizer_train_flags(extra, corpus_file, tmp_path_factory):
     check(invoke(tmp_path_factory, args), args)
 
 
+@pytest.mark.slow
 @fuzz_settings(8)
 @given(extra=drawn_flags(command_flags(sweep.sweep)))
 def test_sweep_flags(extra, tmp_path_factory):
@@ -225,6 +228,7 @@ def test_sweep_flags(extra, tmp_path_factory):
     check(invoke(tmp_path_factory, args), args)
 
 
+@pytest.mark.slow
 @fuzz_settings(8)
 @given(extra=drawn_flags(command_flags(plot.plot)), where=st.integers(0, 4))
 def test_plot_flags(extra, where, trained_run, tmp_path_factory):
@@ -264,6 +268,7 @@ def runtime_flags() -> dict[str, Flag]:
     return flags
 
 
+@pytest.mark.slow
 @fuzz_settings(16)
 @given(extra=drawn_flags(runtime_flags(), frozenset({"max_new_tokens"})), where=st.integers(0, 5))
 def test_modcli_run_flags(extra, where, bundle, capsys):

@@ -10,6 +10,7 @@ from modcli.data.corpus import BatchSampler, _is_validation, evaluation_batches,
 from modcli.errors import UserError
 
 
+@pytest.mark.slow
 def test_builtin_corpus_is_the_stdlib_split_by_file_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MODCLI_CACHE", str(tmp_path))
     corpus = load_corpus(DataConfig(), seq_len=64)

@@ -61,6 +61,7 @@ def _eager_and_static(model: MoDDecoder, routing: str, compile: bool, lengths=(5
     return torch.stack(eager), torch.stack(got), cache, static
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, routing", [
     ({}, "router"), ({}, "predictor"), ({"route_every": 0}, "dense"), ({"route_part": "mlp"}, "router"),
     ({"route_part": "attention"}, "router"), ({"router": "threshold"}, None), ({"router": "random"}, None),
@@ -76,6 +77,7 @@ def test_static_decoder_equals_eager_decoding(overrides, routing):
     assert static.cache.positions.tolist() == cache.positions.tolist()
 
 
+@pytest.mark.slow
 def test_row_capped_steps_equal_eager_decoding_on_both_sides_of_the_cap():
     """Batch 6, capacity 0.25: a routed block computes at most 3 gathered rows when few rows process the token, all
     rows otherwise; both kinds of step occur here and both equal eager decoding."""
@@ -91,6 +93,7 @@ def test_row_capped_steps_equal_eager_decoding_on_both_sides_of_the_cap():
         assert static.cache.layers[layer].lengths.tolist() == cache.layers[layer].lengths.tolist()
 
 
+@pytest.mark.slow
 def test_branch_free_static_decoder_equals_eager_decoding():
     """The CUDA-graph form: a routed block's work on every step, skipped rows discarded and not stored."""
     model = _model()
@@ -101,6 +104,7 @@ def test_branch_free_static_decoder_equals_eager_decoding():
         assert static.cache.layers[layer].lengths.tolist() == cache.layers[layer].lengths.tolist()
 
 
+@pytest.mark.slow
 def test_static_cache_is_preallocated_and_keeps_its_address():
     model = _model()
     static = StaticDecoder(model, 2, 40, "router", CPU, compile=False)
@@ -121,6 +125,7 @@ def compiled_run():
     return eager, compiled, cache, static
 
 
+@pytest.mark.slow
 def test_compiled_decoding_equals_eager_decoding_and_is_one_graph(compiled_run):
     eager, compiled, cache, static = compiled_run
     torch.testing.assert_close(compiled, eager, atol=ATOL, rtol=0)
@@ -130,6 +135,7 @@ def test_compiled_decoding_equals_eager_decoding_and_is_one_graph(compiled_run):
     assert static.compile_stats.compile_s > 0
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_compiled_forward_and_causal_prefill_have_no_graph_breaks():
     model = _model(d_model=32, n_layers=2, n_heads=2)
@@ -142,6 +148,7 @@ def test_compiled_forward_and_causal_prefill_have_no_graph_breaks():
         assert stats.graph_breaks == 0, stats.break_reasons
 
 
+@pytest.mark.slow
 def test_generate_compile_gives_the_eager_text(tmp_path, trained_run):
     args = ["generate", str(trained_run), "--prompt", "def f", "--prompt", "import", "--max-new-tokens", "12",
             "--temperature", "0", "--json"]
@@ -170,6 +177,7 @@ def test_generate_compile_refuses_exit_decoding(trained_run):
     assert "--compile" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_train_compile_matches_eager_training(tmp_path, corpus_file):
     flags = ["train", "--data", str(corpus_file), "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads",
              "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1",
@@ -183,6 +191,7 @@ def test_train_compile_matches_eager_training(tmp_path, corpus_file):
     assert compiled["graph_breaks"] == 0 and compiled["compile_s"] > 0 and eager["compile_s"] is None
 
 
+@pytest.mark.slow
 def test_profile_backends(tmp_path):
     flags = ["profile", "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
              "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--decode-tokens", "2", "--no-memory",

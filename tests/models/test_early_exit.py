@@ -180,6 +180,7 @@ def early_exit_run(tmp_path_factory, corpus_file):
     return out, json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_train_eval_generate_profile_from_the_command_line(early_exit_run):
     out, summary = early_exit_run
     assert summary["steps"] == 4 and summary["val_loss"] > 0

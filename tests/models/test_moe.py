@@ -208,6 +208,7 @@ def trained_families(tmp_path_factory, corpus_file) -> dict[str, str]:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["staged", "integrated"])
 def test_every_command_works_with_mode(name, trained_families, tmp_path):
     runner, run = CliRunner(), trained_families[name]
@@ -230,6 +231,7 @@ def test_every_command_works_with_mode(name, trained_families, tmp_path):
         assert profiled["results"][0]["ratio"]["forward_latency"]["measured"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["staged", "integrated"])
 def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
     from modcli.bundle.writer import ExportConfig, export

@@ -133,6 +133,7 @@ def test_bad_recursion_flags_exit_2_with_one_line(args, message, tmp_path, corpu
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_every_command_works_with_recursion(tmp_path, corpus_file):
     runner, run = CliRunner(), str(tmp_path / "run")
     result = runner.invoke(app, ["train", "--data", str(corpus_file), "--out", run, "--arch", "recursion",

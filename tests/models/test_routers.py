@@ -155,6 +155,7 @@ def trained_kinds(tmp_path_factory, corpus_file):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_command_works_with_the_router(kind, trained_kinds, tmp_path):
     runner, run = CliRunner(), str(trained_kinds[kind])
@@ -182,6 +183,7 @@ def test_every_command_works_with_the_router(kind, trained_kinds, tmp_path):
     assert profiled["ratio"]["forward_latency"]["measured"] > 0 and profiled["model"]["processed_fraction"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_onnx_graphs_equal_eager_pytorch(kind, trained_kinds, tmp_path):
     from modcli.bundle.writer import ExportConfig, export
@@ -295,6 +297,7 @@ def test_route_part_routes_only_its_part(part):
     assert not torch.allclose(out[~chosen], x[~chosen])  # the part that is not routed still ran
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", PARTS)
 def test_route_part_exports_to_onnx_equal_to_eager(part, tmp_path, corpus_file):
     from modcli.bundle.writer import ExportConfig, export

@@ -90,6 +90,7 @@ def test_imported_model_has_the_same_logits_and_greedy_tokens(hf_model, tmp_path
     assert got.tokens == [want]
 
 
+@pytest.mark.slow
 def test_the_imported_run_works_with_generate_and_profile(hf_model, tmp_path):
     name, folder, _ = hf_model
     assert import_run(folder, tmp_path / "run").exit_code == 0
@@ -160,6 +161,7 @@ def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_
     assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
 
 
+@pytest.mark.slow
 def test_router_tuning_converts_a_frozen_imported_model(hf_model, tmp_path):
     """`--init-from` an imported dense model with a threshold router, training only the routers: the base weights do
     not move, every command works on the result, and the summary shows the original's loss beside."""

@@ -41,6 +41,7 @@ def rendered(result) -> str:
     return console.export_text()
 
 
+@pytest.mark.slow
 def test_json_holds_every_field():
     result = invoke(*TINY_FLAGS, "--seq-len", "32", "--json")
     assert result.exit_code == 0, result.stderr
@@ -81,6 +82,7 @@ def test_json_holds_every_field():
     assert 0 < row["ratio"]["kv_cache_allocated"]["measured"] <= 1
 
 
+@pytest.mark.slow
 def test_table_sweep_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "profile.png"
@@ -94,6 +96,7 @@ def test_table_sweep_and_plot(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_profile_counts_forward_training_and_decode_flops_like_the_analytic_formulas():
     from modcli.models.flops import decode_step_flops
 
@@ -120,6 +123,7 @@ def test_profile_counts_forward_training_and_decode_flops_like_the_analytic_form
     assert "speed, T" not in text and "onnxruntime" not in text  # eager only, no --onnx bundle
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_fresh_routers_are_calibrated_with_the_causal_rule_at_each_length():
     from modcli.profiling.calls import input_tokens
@@ -144,6 +148,7 @@ def test_fresh_routers_are_calibrated_with_the_causal_rule_at_each_length():
         assert all(0.1 < share < 0.45 for share in row.model.processed_fraction.values()), row.model.processed_fraction
 
 
+@pytest.mark.slow
 def test_checkpoint_against_another_checkpoint(trained_run, trained_dense_run):
     result = invoke(str(trained_run), "--compare", str(trained_dense_run), "--seq-len", "32", "--batch-size", "2",
                     "--repeats", "1", "--warmup", "0", "--decode-tokens", "4", "--measure", "forward,decode",
@@ -208,6 +213,7 @@ def test_plot_without_matplotlib_is_a_user_error(monkeypatch):
         profile(ProfileConfig(model=tiny_model_config(), plot="x.png", device="cpu"), quiet=True)
 
 
+@pytest.mark.slow
 def test_onnx_bundles_are_timed_beside_eager(trained_run, tmp_path_factory):
     from tests.bundle.test_export import exported_bundle
 

@@ -59,6 +59,7 @@ def modcli_generate(run: Path, prompts: list[str], max_new_tokens: int) -> list[
     return generate(config).texts
 
 
+@pytest.mark.slow
 def test_runtime_without_torch_generates_the_same_greedy_text_as_modcli_generate(bundle, trained_run):
     prompts = ["def f_3(x):\n    return", "x = "]
     expected = modcli_generate(trained_run, prompts, 40)
@@ -71,6 +72,7 @@ def test_runtime_without_torch_generates_the_same_greedy_text_as_modcli_generate
     assert set(payload["processed_fraction"]) == {"block1", "block3"}
 
 
+@pytest.mark.slow
 def test_runtime_samples_the_same_text_as_modcli_generate_for_the_same_seed(bundle, trained_run):
     """temperature 0.8, top-p 0.95: the same uniforms drive the same inverse-CDF rule on both sides."""
     from modcli_runtime import load_bundle
@@ -94,6 +96,7 @@ def test_runtime_samples_the_same_text_as_modcli_generate_for_the_same_seed(bund
     assert json.loads(result.stdout)["texts"] == expected_two
 
 
+@pytest.mark.slow
 def test_runtime_streams_one_prompt_to_stdout(bundle, trained_run):
     expected = modcli_generate(trained_run, ["def "], 24)[0]
     result = run_without_torch(str(bundle), "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "24")
@@ -102,6 +105,7 @@ def test_runtime_streams_one_prompt_to_stdout(bundle, trained_run):
     assert "tokens/s" in result.stderr and "processed block1=" in result.stderr
 
 
+@pytest.mark.slow
 def test_python_api_greedy_sampling_and_streaming(bundle, trained_run):
     from modcli_runtime import load_bundle
 
@@ -129,6 +133,7 @@ def test_sampling_rules():
     assert set(draws[:, 0]) <= {1, 3} and set(draws[:, 1]) == {0, 3}
 
 
+@pytest.mark.slow
 def test_runtime_refuses_damaged_or_invalid_bundles(bundle, tmp_path):
     from modcli_runtime import BundleError, load_bundle
 
@@ -166,6 +171,7 @@ def test_runtime_refuses_damaged_or_invalid_bundles(bundle, tmp_path):
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_time_bundle_reports_latencies_for_profile(bundle):
     from modcli.bundle.writer import time_bundle
 
@@ -212,6 +218,7 @@ def test_cache_spec_writes_rows_in_place_and_grows_by_doubling(batch):
                                   np.array(stored[layer][row]).reshape(kept, 2, 3))
 
 
+@pytest.mark.slow
 def test_device_cache_writes_rows_in_place_with_cache_write_onnx(bundle):
     """The device-resident cache's writer (ScatterND with its output bound to its input) changes only the written
     rows of the very buffer it was given, growing by doubling like the numpy cache; run here on the CPU provider."""
@@ -268,6 +275,7 @@ def decode_only_bundles(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     return bundles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["topk-block", "topk-block-device-cache", *ROUTERS])
 def test_runtime_decode_equals_eager_generate_with_the_kv_cache(case, bundle, trained_run, decode_only_bundles):
     """The runtime's decode (read-only graph + in-place row writes) = `modcli generate`'s eager prefill and
@@ -302,6 +310,7 @@ def test_runtime_decode_equals_eager_generate_with_the_kv_cache(case, bundle, tr
     assert processed_any and skipped_any  # both branches of the routed blocks ran
 
 
+@pytest.mark.slow
 def test_a_version_1_bundle_runs_its_forward_graph_but_refuses_its_decode_graph(bundle, tmp_path):
     from modcli_runtime import BundleError, load_bundle
 

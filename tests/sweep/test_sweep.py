@@ -68,6 +68,7 @@ def swept(tmp_path_factory, corpus_file) -> tuple[Path, dict]:
     return root / "out", json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_sweep_writes_runs_results_and_plots(swept):
     out, summary = swept
     names = [r["name"] for r in summary["runs"]]
@@ -98,6 +99,7 @@ def test_sweep_writes_runs_results_and_plots(swept):
         assert summary["plots"][plot.removesuffix(".png")] == str(out / plot)
 
 
+@pytest.mark.slow
 def test_sweep_table_and_a_finished_sweep_trains_nothing(swept, tmp_path):
     out, _ = swept
     result = CliRunner().invoke(app, ["sweep", str(out / "grid.toml"), "--out", str(out), "--profile"])
@@ -196,6 +198,7 @@ def test_missing_grid_and_missing_corpus_exit_2(tmp_path):
     assert result.exit_code == 2 and "missing.txt" in result.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_plot_draws_training_curves_of_several_runs(swept, tmp_path):
     out, _ = swept
     runs = sorted(str(p) for p in (out / "runs").iterdir())
@@ -246,6 +249,7 @@ def _check_page(page: str, n_tokens: int, text: str, layers: list[int]) -> None:
     assert "http://" not in page and "https://" not in page and "<link" not in page  # self-contained
 
 
+@pytest.mark.slow
 def test_routes_html_and_png_of_a_trained_run(swept, tmp_path):
     out, _ = swept
     run = out / "runs" / "2.5e8_d32-L2_topk"

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # every test here starts worker processes: 5-15 s each
+
 TINY = ["--d-model", "32", "--n-layers", "4", "--n-heads", "4", "--seq-len", "32", "--eval-every", "4",
         "--eval-batches", "1", "--device", "cpu", "--warmup", "2", "--log-every", "2"]
 

@@ -131,6 +131,7 @@ def _start_training(out: Path, corpus: Path, extra: list[str]) -> subprocess.Pop
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path, corpus_file):
     killed = tmp_path / "killed"
     process = _start_training(killed, corpus_file, [])

@@ -1,0 +1,285 @@
+"""The package layout holds (read from the sources with `ast`, no torch): no import circle, in-function imports
+only for heavy optional dependencies, and the README's layout names only paths that exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import deque
+from itertools import pairwise
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Package name -> its folder. modcli_runtime lives under export/ so that it installs without torch.
+PACKAGES = {"modcli": ROOT / "modcli", "modcli_runtime": ROOT / "export" / "modcli_runtime"}
+
+# The only modules a function may import for itself. Each one is slow to import, or absent from a plain install,
+# and needed by one command only, so importing it at module level would tax `modcli --help` and every other
+# command (measured after `import torch` on this machine):
+HEAVY_OPTIONAL = (
+    "onnx", "onnxscript", "onnxruntime",  # export and the ONNX profile backend: 0.1-0.5 s each, 100k+ objects
+    "matplotlib",  # figures (plot, sweep, routes): about 0.2 s
+    "tensorboard", "torch.utils.tensorboard",  # an extra (`pip install modcli[tensorboard]`)
+    "transformers",  # a dev extra, never a dependency of the package
+    "torch._dynamo", "torch._inductor",  # --compile and AOTInductor only: about 1 s and 800 modules on top of torch
+    "torch.distributed.fsdp", "torch.distributed.tensor",  # under torchrun only: about 0.5 s
+)
+
+
+def module_files(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the packages (a package is named by its __init__.py)."""
+    files = {}
+    for package, folder in packages.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
+def imported_names(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The dotted names one import statement asks for; for `from x import y` both x and x.y (y may be a module)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join([*package, base] if base else package)
+    return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+
+
+def import_graph(packages: dict[str, Path] = PACKAGES, root: Path = ROOT) -> dict[str, dict[str, str]]:
+    """module -> {module it imports -> "file:line" of the first such import}, over every import statement
+    (module level, in functions, under TYPE_CHECKING). A package's __init__ imported by one of its own submodules
+    is no edge: Python has already started that __init__ by the time the submodule runs."""
+    files = module_files(packages)
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, str]] = {module: {} for module in files}
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in imported_names(module, path, node):
+                target = known(name)
+                if target is None or target == module:
+                    continue
+                if files[target].name == "__init__.py" and module.startswith(target + "."):
+                    continue
+                graph[module].setdefault(target, f"{path.relative_to(root)}:{node.lineno}")
+    return graph
+
+
+def strongly_connected_components(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Tarjan's algorithm; every component of two or more modules holds at least one import circle."""
+    index: dict[str, int] = {}
+    lowlink: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(module: str) -> None:
+        index[module] = lowlink[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                lowlink[module] = min(lowlink[module], lowlink[target])
+            elif target in on_stack:
+                lowlink[module] = min(lowlink[module], index[target])
+        if lowlink[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            components.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return [component for component in components if len(component) > 1]
+
+
+def shortest_circle(graph: dict[str, dict[str, str]], start: str) -> list[str]:
+    """The shortest path start -> ... -> start (breadth first), as the list of modules on it."""
+    came_from = {start: None}
+    queue = deque([start])
+    while queue:
+        module = queue.popleft()
+        for target in sorted(graph[module]):
+            if target == start:
+                path = [module]
+                while came_from[path[-1]] is not None:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if target not in came_from:
+                came_from[target] = module
+                queue.append(target)
+    raise AssertionError(f"{start} is in no circle")
+
+
+def import_circles(graph: dict[str, dict[str, str]]) -> list[str]:
+    """One shortest circle per group of modules that import each other, each import with its file:line."""
+    circles = []
+    for component in strongly_connected_components(graph):
+        circle = shortest_circle(graph, component[0])
+        steps = " -> ".join(f"{a} ({graph[a][b]})" for a, b in pairwise(circle))
+        circles.append(f"{steps} -> {circle[-1]}   [circle among {len(component)} modules: {', '.join(component)}]")
+    return circles
+
+
+def test_the_import_graph_sees_imports_of_every_kind_and_names_the_circle(tmp_path):
+    sources = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg import b\n",  # `from x import y` with y a module; pkg is a's own package
+        "pkg/b.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .c import Thing\n",
+        "pkg/c.py": "def f():\n    import pkg.a\n",
+        "pkg/sub/__init__.py": "from .d import X\n",
+        "pkg/sub/d.py": "import os\n\nfrom .. import sub\n",  # its own packages: no edge, so no circle with sub
+        "other/__init__.py": "",
+        "other/e.py": "from pkg.sub import d\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph({"pkg": tmp_path / "pkg", "other": tmp_path / "other"}, root=tmp_path)
+    assert {module: sorted(targets) for module, targets in graph.items()} == {
+        "pkg": [], "pkg.a": ["pkg.b"], "pkg.b": ["pkg.c"], "pkg.c": ["pkg.a"], "pkg.sub": ["pkg.sub.d"],
+        "pkg.sub.d": [], "other": [], "other.e": ["pkg.sub", "pkg.sub.d"]}
+    assert import_circles(graph) == ["pkg.a (pkg/a.py:1) -> pkg.b (pkg/b.py:4) -> pkg.c (pkg/c.py:2) -> pkg.a   "
+                                     "[circle among 3 modules: pkg.a, pkg.b, pkg.c]"]
+
+    real = import_graph()
+    assert any(target.startswith("modcli.commands") for target in real["modcli.cli"])
+    assert any(target.startswith("modcli_runtime.") for target in real["modcli_runtime.cli"])
+
+
+def test_no_import_circle():
+    circles = import_circles(import_graph())
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def in_function_imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement inside a function body of this file."""
+    found = []
+    for function in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Import):
+                found += [(node.lineno, alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                found.append((node.lineno, imported_names(module, path, node)[0]))
+    return sorted(set(found))  # a nested function's imports are walked once per enclosing function
+
+
+def is_heavy_optional(name: str) -> bool:
+    return any(name == heavy or name.startswith(heavy + ".") for heavy in HEAVY_OPTIONAL)
+
+
+def test_imports_inside_functions_are_only_heavy_optional_dependencies():
+    offenders = [f"{path.relative_to(ROOT)}:{line} {name}"
+                 for module, path in module_files().items()
+                 for line, name in in_function_imports(path, module)
+                 if not is_heavy_optional(name)]
+    assert not offenders, (f"{len(offenders)} in-function imports of modules that are neither heavy nor optional "
+                           "(import them at module level):\n" + "\n".join(offenders))
+
+
+def test_in_function_imports_are_found_and_judged(tmp_path):
+    path = tmp_path / "example.py"
+    path.write_text("import os\n\ndef f():\n    import onnx\n    from matplotlib import pyplot\n"
+                    "    from . import sibling\n    def g():\n        import json\n\nclass C:\n"
+                    "    def m(self):\n        from torch._inductor import config\n")
+    found = in_function_imports(path, "modcli.example")
+    assert found == [(4, "onnx"), (5, "matplotlib"), (6, "modcli"), (8, "json"), (12, "torch._inductor")]
+    assert [name for _, name in found if not is_heavy_optional(name)] == ["modcli", "json"]
+    assert not is_heavy_optional("torch") and not is_heavy_optional("onnxruntime_extensions")
+
+
+# A layout entry: a name with a file extension or a trailing slash, possibly with folders before it.
+PATH_LIKE = re.compile(r"^(?:[\w.-]+/)*(?:[\w-][\w.-]*\.[A-Za-z][A-Za-z0-9]*|[\w.-]+/)$")
+TREE_DRAWING = "│├└─┬┼|`+- \t\u00a0"  # box drawing, or ASCII `|-- name`, `` `-- name ``
+
+
+def layout_section(readme: str) -> str:
+    """The text under the first heading that contains "Layout", up to the next heading of its level or above."""
+    lines = readme.splitlines()
+    for start, line in enumerate(lines):
+        heading = re.match(r"^(#+)\s.*layout", line, re.IGNORECASE)
+        if heading:
+            level = len(heading.group(1))
+            end = next((i for i in range(start + 1, len(lines))
+                        if re.match(rf"^#{{1,{level}}}\s", lines[i])), len(lines))
+            return "\n".join(lines[start + 1:end])
+    raise AssertionError("README.md has no heading containing 'Layout'")
+
+
+def code_block_paths(block: str) -> list[str]:
+    """Paths named by a tree (`├── models/  the decoder`, nested by indentation) or by a list of paths
+    (`modcli/models/  the decoder`): the first word of each line, joined to the folder it is drawn under."""
+    paths = []
+    parents: list[tuple[int, str]] = []  # (column of the name, its folder path) for the folders drawn above
+    for line in block.splitlines():
+        name = line.lstrip(TREE_DRAWING)
+        if not name:
+            continue
+        column = len(line) - len(name)
+        word = name.split()[0]
+        if not PATH_LIKE.match(word):
+            continue  # a description carried over to the next line
+        while parents and parents[-1][0] >= column:
+            parents.pop()
+        path = parents[-1][1] + word if parents else word
+        paths.append(path)
+        if path.endswith("/"):
+            parents.append((column, path))
+    return paths
+
+
+def table_paths(section: str) -> list[str]:
+    """The backquoted paths in the first column of a Markdown table."""
+    paths = []
+    for line in section.splitlines():
+        cells = line.strip().strip("|").split("|")
+        if line.lstrip().startswith("|") and len(cells) > 1:
+            paths += [word for word in re.findall(r"`([^`]+)`", cells[0]) if PATH_LIKE.match(word)]
+    return paths
+
+
+def layout_paths(readme: str) -> list[str]:
+    """The layout section's first fenced code block, or, when it has none, its table."""
+    section = layout_section(readme)
+    block = re.search(r"^\s*(```|~~~)[^\n]*\n(.*?)^\s*\1", section, re.MULTILINE | re.DOTALL)
+    return code_block_paths(block.group(2)) if block else table_paths(section)
+
+
+def test_layout_reader_handles_trees_lists_and_tables():
+    tree = ("# modcli\n## Layout\n```text\nmodcli/\n├── config.py        the configs\n├── models/          the decoder\n"
+            "│   ├── routing/     routers: top-k,\n│   │                causal rules\n│   └── cache.py\n"
+            "└── cli.py\nexport/modcli_runtime/   the runtime\nbench/gpu.sh\n```\n## Next\n```\nnot/this/\n```\n")
+    assert layout_paths(tree) == ["modcli/", "modcli/config.py", "modcli/models/", "modcli/models/routing/",
+                                  "modcli/models/cache.py", "modcli/cli.py", "export/modcli_runtime/",
+                                  "bench/gpu.sh"]
+    ascii_tree = "## Layout\n~~~\nexport/\n|-- modcli_runtime/   the runtime\n`-- README.md\n~~~\n"
+    assert layout_paths(ascii_tree) == ["export/", "export/modcli_runtime/", "export/README.md"]
+    table = "## Package layout\n\n| path | what |\n| --- | --- |\n| `modcli/data/` | corpora |\n| `a.py`, `b/c.py` | x |\n"
+    assert layout_paths(table) == ["modcli/data/", "a.py", "b/c.py"]
+
+
+def test_readme_layout_names_only_paths_that_exist():
+    paths = layout_paths((ROOT / "README.md").read_text())
+    assert len(paths) >= 5, f"the README's layout names too few paths to be read right: {paths}"
+    missing = [path for path in paths if not (ROOT / path).exists() or (path.endswith("/") and not (ROOT / path).is_dir())]
+    assert not missing, "README.md's layout names paths that do not exist: " + ", ".join(missing)
