@@ -7,8 +7,7 @@ use so that `modcli --help` does not pay for importing torch.
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -27,22 +26,12 @@ _EXPORTS = {
     "TokenizerTrainConfig": "modcli.data.tokenizer_training", "train_tokenizer": "modcli.data.tokenizer_training",
     "curves_plot": "modcli.reports.plots", "run_sweep": "modcli.sweep.runner",
     "complete_checkpoints": "modcli.checkpoint.store", "read_config": "modcli.checkpoint.store",
-    "resolve_checkpoint": "modcli.checkpoint.store", "tune_cpu_allocator": "modcli.hardware",
+    "resolve_checkpoint": "modcli.checkpoint.store", "load_model": "modcli.checkpoint.store",
+    "tune_cpu_allocator": "modcli.hardware",
 }
 """Name -> the module that defines it, imported on first use: the config and library function of every command
 (`modcli sweep`'s is `run_sweep`: `modcli.sweep` is the package modcli/sweep/) and
 what the commands call besides."""
-
-if TYPE_CHECKING:
-    from modcli.models.decoder import MoDDecoder
-
-
-def load_model(run_or_checkpoint: str | Path, device: str = "cpu") -> MoDDecoder:
-    """Load a trained model in eval mode; call it as `model(tokens, routing="router")` with tokens (B, T)."""
-    from modcli.checkpoint.store import load_model_from
-
-    return load_model_from(run_or_checkpoint, device)[0]
-
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
@@ -50,4 +39,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'modcli' has no attribute {name!r}")
 
 
-__all__ = [*_EXPORTS, "load_model", "__version__"]
+__all__ = [*_EXPORTS, "__version__"]

@@ -22,6 +22,8 @@ HEAVY_OPTIONAL = (
     "matplotlib",  # figures (plot, sweep, routes): about 0.2 s
     "tensorboard", "torch.utils.tensorboard",  # an extra (`pip install modcli[tensorboard]`)
     "transformers",  # a dev extra, never a dependency of the package
+    "gguf",  # an extra (`pip install modcli[gguf]`): `modcli import FILE.gguf` only
+    "tokenizers",  # optional for the PyTorch-free runtime (bundles with a tokenizer.json); about 0.1 s
     "torch._dynamo", "torch._inductor",  # --compile and AOTInductor only: about 1 s and 800 modules on top of torch
     "torch.distributed.fsdp", "torch.distributed.tensor",  # under torchrun only: about 0.5 s
 )

@@ -45,7 +45,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from modcli_runtime.bench import time_bundle as time_bundle_graphs
 from modcli_runtime.bundle import FORMAT, FORMAT_VERSION, sha256_of
+from modcli_runtime.errors import BundleError
 
 from modcli.bundle.config import ExportConfig
 from modcli.bundle.lowering import (
@@ -320,13 +322,7 @@ def time_bundle(path: str | Path, **options) -> dict[str, Any]:
     tokens and one decode step at `cache_tokens` cached tokens; the statistics of `modcli_runtime.timing` (latency_ms
     the median, latency_min_ms, latency_max_ms, tokens_per_s), as for the eager timings.
     """
-    from modcli_runtime.bench import time_bundle as run
-
     try:
-        return run(path, **options)
-    except Exception as exc:
-        from modcli_runtime.bundle import BundleError
-
-        if isinstance(exc, BundleError):
-            raise UserError(str(exc)) from None
-        raise
+        return time_bundle_graphs(path, **options)
+    except BundleError as exc:
+        raise UserError(str(exc)) from None

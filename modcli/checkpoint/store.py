@@ -321,6 +321,12 @@ def check_weights_file(checkpoint: Path, config: ModelConfig) -> None:
                         f"holds {stored:,}: they do not belong together")
 
 
+def load_model(run_or_checkpoint: str | Path, device: str = "cpu") -> MoDDecoder:
+    """Load a trained model in eval mode (`from modcli import load_model`); call it as `model(tokens,
+    routing="router")` with tokens (B, T)."""
+    return load_model_from(run_or_checkpoint, device)[0]
+
+
 def load_model_from(path: str | Path, device: str | torch.device = "cpu") -> tuple[MoDDecoder, RunConfig, Path]:
     """Load a run or checkpoint folder: (model in eval mode, its run config, the checkpoint folder).
 

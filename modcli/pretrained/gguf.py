@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from modcli.errors import UserError
+from modcli.models.decoder import llama3_frequencies
 
 GGUF_EXTRA = 'pip install "modcli[gguf]"'
 
@@ -217,8 +218,6 @@ LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max
 
 def _llama3_scaling(rope_freqs: Any, config: dict[str, Any], path: Path) -> dict[str, Any]:
     """The Llama 3 rope_scaling whose frequency divisors are the file's rope_freqs.weight, or a UserError."""
-    from modcli.models.decoder import llama3_frequencies
-
     divisors = _dequantized(rope_freqs)  # (head_dim/2,)
     scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **LLAMA3_SCALING}
     head_dim = config["head_dim"]

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from modcli.checkpoint.store import load_model_from
@@ -282,7 +283,6 @@ def write_png(result: RouteMap, path: str | Path) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     mode = result.causal_modes[0] if result.causal_modes else result.modes[0]
     n, rows = len(result.tokens), len(result.blocks)
