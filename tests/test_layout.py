@@ -285,3 +285,31 @@ def test_readme_layout_names_only_paths_that_exist():
     assert len(paths) >= 5, f"the README's layout names too few paths to be read right: {paths}"
     missing = [path for path in paths if not (ROOT / path).exists() or (path.endswith("/") and not (ROOT / path).is_dir())]
     assert not missing, "README.md's layout names paths that do not exist: " + ", ".join(missing)
+
+
+def test_no_family_or_router_kind_is_compared_outside_its_own_modules():
+    """Commands, training, FLOPs, profiling and export ask a family's spec or a router's capabilities; only the
+    family's and the router's own modules (and their registries) may compare a name."""
+    from modcli.models.families import FAMILIES
+    from modcli.models.routing.registry import ROUTER_KINDS
+
+    names = set(FAMILIES) | set(ROUTER_KINDS)
+    own = ("modcli/models/families/", "modcli/models/routing/", "modcli/models/early_exit.py",
+           "modcli/models/recursion.py")
+    offenders = []
+    for path in sorted((ROOT / "modcli").rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith(own):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = (node.left, *node.comparators)
+            constants = [c for c in operands if isinstance(c, ast.Constant | ast.Tuple)]
+            values = {e.value for c in constants for e in (c.elts if isinstance(c, ast.Tuple) else [c])
+                      if isinstance(e, ast.Constant)}
+            # a name compared with what holds a family or router kind (route parts share the word "attention")
+            subject = " ".join(ast.unparse(c) for c in operands if c not in constants)
+            if values & names and any(word in subject for word in ("arch", "router", "kind", "family")):
+                offenders.append(f"{relative}:{node.lineno} compares {sorted(values & names)}")
+    assert not offenders, "\n".join(offenders)
