@@ -15,9 +15,8 @@ importing the library modules would import torch (seconds) for `modcli --help`. 
 below (`_declared_fields` to `field_argument`); the ~65 hand-written help texts it replaces had drifted from the
 docstrings, and the copies of one flag from each other. The field's default is shown after it unless a preset
 sets the field. Help stays here instead for a flag whose spelling differs from the field's (comma-separated
-lists, where the field holds a list), for the two fields whose docstrings lag behind their registries (--router
-lacks integrated, --arch lacks recursion), and for a flag that several commands share with a meaning of their
-own in each (--out, --dtype, --seed, ...): one text that says what it does in each.
+lists, where the field holds a list) and for a flag that several commands share with a meaning of their own in each
+(--out, --dtype, --seed, ...): one text that says what it does in each.
 """
 
 from __future__ import annotations
