@@ -106,7 +106,7 @@ def collect(results: Path) -> tuple[dict, list[dict]]:
 
 
 def percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.0f}%"
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def table(run: dict, rows: list[dict]) -> str:
@@ -170,7 +170,7 @@ def figure(rows: list[dict], path: Path) -> None:
 
     points = rows[1:]
     t = max(points[0]["profiled_seq_lens"])
-    fig, ax = plt.subplots(figsize=(10, 5.5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--", label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
     ax.axvline(GOAL_SPEEDUP, color="green", lw=0.8, ls=":", label=f"goal: {GOAL_SPEEDUP}x decode")
     ax.axvline(1.0, color="gray", lw=0.6)
@@ -179,10 +179,9 @@ def figure(rows: list[dict], path: Path) -> None:
         x = row[f"decode_speedup_T{t}"]
         ys = [row[f"loss_increase_pct_{c}"] for c in CORPORA]
         ax.plot([x, x], ys, color=color, lw=0.8)
-        ax.scatter([x], [ys[0]], color=color, marker="o")
+        ax.scatter([x], [ys[0]], color=color, marker="o", label=f"{index + 1}: {row['recipe']} ({row['routing']})")
         ax.scatter([x], [ys[1]], color=color, marker="^")
-        ax.annotate(f"{row['recipe']} ({row['routing']})", (x, max(ys)), textcoords="offset points", xytext=(4, 4),
-                    fontsize=7, color=color)
+        ax.annotate(str(index + 1), (x, max(ys)), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
     x_low, x_high = ax.get_xlim()
     x_low, x_high = min(x_low, 0.95), max(x_high, GOAL_SPEEDUP) + 0.1
     y_high = 3 * max(GOAL_LOSS_INCREASE_PCT, *(r[f"loss_increase_pct_{c}"] for r in points for c in CORPORA))
@@ -191,8 +190,8 @@ def figure(rows: list[dict], path: Path) -> None:
                            color="green", alpha=0.12, label="goal region"))
     ax.set_xlim(x_low, x_high)
     ax.set_ylim(y_low, y_high)
-    ax.scatter([], [], color="black", marker="o", label="stdlib code")
-    ax.scatter([], [], color="black", marker="^", label="prose (common-licenses)")
+    ax.scatter([], [], color="black", marker="o", label="circle: stdlib code")
+    ax.scatter([], [], color="black", marker="^", label="triangle: prose (common-licenses)")
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel(f"decode-step speed-up over dense at T {t} (batch 1, CPU, measured)")
     ax.set_ylabel("validation loss increase over dense, % (causal routing)")
