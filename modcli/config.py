@@ -26,7 +26,7 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 DTYPES = ("float32", "bfloat16", "float16")
 MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
-                      "threshold", "capacity_max", "route_part", "predictor_hidden")
+                      "threshold", "capacity_max", "route_part", "predictor_hidden", "keep_first")
 """ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers."""
 EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "noop_experts")
 
@@ -88,6 +88,9 @@ class ModelConfig:
     MLP runs on every token) or mlp (only the MLP; attention, and so the KV cache, covers every token)."""
     predictor_hidden: int = 32
     """Hidden width of the causal predictor MLP per routed block; 0 trains no predictor."""
+    keep_first: int = 0
+    """Routed blocks always process the tokens at positions 0..N-1 of a sequence (the attention sink a pretrained
+    model leans on), in every routing mode; 0 = none."""
     dropout: float = 0.0
     """Dropout on attention weights and on block deltas during training."""
     tie_embeddings: bool = True
@@ -150,6 +153,7 @@ class ModelConfig:
             f"--router-weight must be one of {', '.join(ROUTER_WEIGHTS)}, got {self.router_weight!r}",
         )
         require(self.predictor_hidden >= 0, f"--predictor-hidden must be >= 0, got {self.predictor_hidden}")
+        require(self.keep_first >= 0, f"--keep-first must be >= 0, got {self.keep_first}")
         require(self.router in ROUTER_KINDS, f"--router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
         require(self.route_part in ROUTE_PARTS,
                 f"--route-part must be one of {', '.join(ROUTE_PARTS)}, got {self.route_part!r}")

@@ -42,6 +42,7 @@ def profile(
     capacity_max: options.CapacityMax = None,
     route_part: options.RoutePart = None,
     predictor_hidden: options.PredictorHidden = None,
+    keep_first: options.KeepFirst = None,
     experts: options.Experts = None,
     expert_top_k: options.ExpertTopK = None,
     expert_capacity_factor: options.ExpertCapacityFactor = None,

@@ -229,6 +229,8 @@ class DecodeStepGraph(nn.Module):
             router_logits = block.router.logits(x, positions[:, None])  # (B, 1)
             decisions = block.router.decide(x, router_logits, self.routing, positions[:, None],
                                             config.capacity)[:, 0]  # (B,) causal yes/no
+            if config.keep_first:
+                decisions = decisions | (positions < config.keep_first)  # (B,) --keep-first
             part = config.route_part
             if part == "mlp":  # every row attends and is cached; only the MLP is routed, and its If holds no cache
                 attn_update, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths,

@@ -207,14 +207,17 @@ class Block(nn.Module):
         positions = torch.arange(seq_len, device=x.device)  # (T,)
         router_logits = router.logits(x, positions, previous_attention)  # (B, T)
         predictor_logits = router.predictor_logits(x) if want_predictor or routing == "predictor" else None
+        keep_first = self.config.keep_first  # positions 0..keep_first-1 are always processed (--keep-first)
         if router.capabilities.is_causal(routing):
             decisions = router.decide(x, router_logits, routing, positions, capacity, predictor_logits)  # (B, T)
+            if keep_first:
+                decisions = decisions | (positions < keep_first)
             if lengths is not None:  # padding comes after each row's tokens: never processed, never cached
                 decisions = decisions & (positions[None, :] < lengths[:, None])
             selection = select_causal(decisions)
         else:
-            selection = router.select(router_logits, routing, k if k is not None else
-                                      router.static_tokens(seq_len, capacity))
+            scores = router_logits.masked_fill(positions < keep_first, float("inf")) if keep_first else router_logits
+            selection = router.select(scores, routing, k if k is not None else router.static_tokens(seq_len, capacity))
         record = RoutingRecord(self.layer, routing, router, router_logits, predictor_logits, selection, capacity)
         part = self.config.route_part
         if part == "mlp":  # attention (and the KV cache) covers every token; only the MLP is routed
@@ -252,6 +255,8 @@ class Block(nn.Module):
         router, part = self.router, self.config.route_part
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
         decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)
+        if self.config.keep_first:
+            decisions = decisions | (positions[:, None] < self.config.keep_first)
         if part == "mlp":  # every row attends and is cached; only the MLP is routed
             rows = torch.arange(batch, device=x.device)
             cos, sin = config_rope(self.config, positions[:, None])

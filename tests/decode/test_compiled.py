@@ -65,7 +65,7 @@ def _eager_and_static(model: MoDDecoder, routing: str, compile: bool, lengths=(5
 @pytest.mark.parametrize("overrides, routing", [
     ({}, "router"), ({}, "predictor"), ({"route_every": 0}, "dense"), ({"route_part": "mlp"}, "router"),
     ({"route_part": "attention"}, "router"), ({"router": "threshold"}, None), ({"router": "random"}, None),
-    ({"n_kv_heads": 2}, "router"), ({"experts": 2}, "router"),
+    ({"n_kv_heads": 2}, "router"), ({"experts": 2}, "router"), ({"keep_first": 6}, "router"),
 ])
 def test_static_decoder_equals_eager_decoding(overrides, routing):
     model = _model(**overrides)
