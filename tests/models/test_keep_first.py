@@ -61,3 +61,15 @@ def test_keep_first_is_refused_when_negative_and_by_families_without_mod_routing
         ModelConfig(keep_first=-1)
     with pytest.raises(UserError, match="--keep-first is a Mixture-of-Depths option"):
         ModelConfig(arch="early-exit", keep_first=1)
+
+
+@pytest.mark.slow
+def test_the_exported_graphs_keep_the_first_positions_and_validate(tmp_path):
+    """The forward and decode graphs carry --keep-first: `modcli export`'s own validation (onnxruntime against
+    eager PyTorch, forward and greedy decoding) passes."""
+    from modcli.bundle.writer import ExportConfig, export
+    from tests.bundle.test_export import random_checkpoint
+
+    checkpoint = random_checkpoint(tmp_path / "run", keep_first=2)
+    result = export(ExportConfig(checkpoint=str(checkpoint), out=str(tmp_path / "bundle"), provider="cpu"))
+    assert result.valid, result.failures
