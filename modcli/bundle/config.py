@@ -23,8 +23,13 @@ class ExportConfig:
     """A run folder (its newest checkpoint) or one checkpoint folder."""
     out: str = "bundles/latest"
     """Bundle folder to write (must not exist unless --force)."""
-    onnx: bool = True
-    """Export the ONNX graphs (forward.onnx, decode.onnx) that the PyTorch-free runtime runs."""
+    onnx: bool | None = None
+    """Export the ONNX graphs (forward.onnx, decode.onnx) that the PyTorch-free runtime runs; None = on, unless
+    --hf."""
+    hf: bool = False
+    """Write a Hugging Face folder instead of a bundle (config.json with auto_map, modeling_modcli.py,
+    model.safetensors, tokenizer): transformers loads it; a dense Llama/Mistral/Qwen2-shaped model needs no remote
+    code."""
     compile: bool = False
     """Also save torch.export ExportedPrograms (.pt2) and AOTInductor packages (.aoti.pt2) of both graphs."""
     graphs: list[str] = field(default_factory=lambda: list(GRAPHS))
@@ -50,7 +55,12 @@ class ExportConfig:
     """Replace an existing bundle at --out."""
 
     def __post_init__(self) -> None:
-        require(self.onnx or self.compile, "nothing to export: give --onnx and/or --compile")
+        if self.onnx is None:
+            self.onnx = not self.hf
+        require(not (self.hf and (self.onnx or self.compile)),
+                "--hf writes a Hugging Face folder, not graphs: it does not combine with --onnx or --compile (export "
+                "twice, into two --out folders)")
+        require(self.hf or self.onnx or self.compile, "nothing to export: give --onnx and/or --compile")
         require(Path(self.out).name not in ("", ".."), f"--out must name a bundle folder, got {self.out!r}")
         require(bool(self.graphs) and all(g in GRAPHS for g in self.graphs),
                 f"--graph must be among {', '.join(GRAPHS)}, got {', '.join(map(repr, self.graphs)) or 'none'}")

@@ -19,6 +19,7 @@ def export(
     checkpoint: options.Checkpoint,
     out: options.Out = None,
     onnx: options.OnnxGraphs = None,
+    hf: options.HF = None,
     compile: options.Compile = None,
     graphs: options.Graphs = None,
     routing: options.Routing = None,
@@ -32,9 +33,14 @@ def export(
     force: options.Force = None,
     json_output: options.Json = False,
 ) -> None:
-    """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs."""
+    """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs;
+    with --hf, to a Hugging Face folder that transformers loads (checked against modcli where it is installed)."""
     log = (lambda message: None) if json_output else (lambda message: stderr.print(message, highlight=False))
-    result = modcli.export(options.build(modcli.ExportConfig, options.given(ctx)), log=log)
+    config = options.build(modcli.ExportConfig, options.given(ctx))
+    if config.hf:
+        _hf_export(config, log, json_output)
+        return
+    result = modcli.export(config, log=log)
     if json_output:
         payload = dataclasses.asdict(result)
         for check in payload["checks"]:
@@ -49,6 +55,27 @@ def export(
         for failure in result.failures:
             stderr.print(f"[red]  {failure}[/]", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+def _hf_export(config, log, json_output: bool) -> None:
+    result = modcli.export_hf(config, log=log)
+    if json_output:
+        print_json(dataclasses.asdict(result))
+        return
+    if result.checks:
+        checks = Table(title=f"{result.architecture} in transformers against modcli ({result.dtype}, atol "
+                             f"{result.atol:g}, {result.routing} routing)")
+        for column in ("case", "max |diff|", "tokens", "result"):
+            checks.add_column(column, justify="right" if column == "max |diff|" else "left")
+        for c in result.checks:
+            diff = "-" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
+            tokens = {None: "-", True: "same", False: "[red]differ[/]"}[c.tokens_match]
+            checks.add_row(c.case, diff, tokens, "[green]pass[/]" if c.passed else "[red]FAIL[/]")
+        stdout.print(checks)
+    files = ", ".join(f"{name} ({size / 1e6:.2f} MB)" for name, size in result.files.items())
+    stdout.print(f"Hugging Face folder ({result.architecture}" + (", remote code" if result.remote_code else "")
+                 + f") written in {result.seconds:.1f} s: {result.folder}", highlight=False, soft_wrap=True)
+    stdout.print(files, highlight=False, soft_wrap=True)
 
 
 def _print_report(result) -> None:

@@ -259,6 +259,7 @@ Opset = Annotated[Optional[int], field_option(EXPORT, "opset")]
 Atol = Annotated[Optional[float], field_option(EXPORT, "atol")]
 DecodeSteps = Annotated[Optional[int], field_option(EXPORT, "decode_steps")]
 Force = Annotated[Optional[bool], field_option(EXPORT, "force", "--force")]
+HF = Annotated[Optional[bool], field_option(EXPORT, "hf", "--hf")]
 
 # ------------------------------------------------------------------------------------------------------ profile
 

@@ -1,0 +1,182 @@
+"""A modcli model -> a Hugging Face config.json and state dict: the plain Llama / Mistral / Qwen2 architecture for
+a dense model of their shape, else the folder's own `ModcliForCausalLM` (remote code, `remote/`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modcli.config import ModelConfig
+from modcli.errors import UserError
+from modcli.models.decoder import MoDDecoder
+from modcli.models.routing.base import Router
+from modcli.models.routing.random import HASH_SCALE
+from modcli.models.routing.selection import HASH_MODULUS
+
+REMOTE = Path(__file__).resolve().parent / "remote"
+REMOTE_FILES = ("configuration_modcli.py", "modeling_modcli.py")
+AUTO_MAP = {"AutoConfig": "configuration_modcli.ModcliConfig",
+            "AutoModelForCausalLM": "modeling_modcli.ModcliForCausalLM"}
+PLAIN = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+"""The plain architectures a dense model exports as (transformers' own classes, no remote code)."""
+
+
+def _score_cut(cut: float) -> Callable[[ModelConfig, Router], dict[str, Any]]:
+    return lambda config, router: {"route_decision": "score", "route_cut": cut, "route_score": True}
+
+
+def _threshold(config: ModelConfig, router: Router) -> dict[str, Any]:
+    cut = router.logit_threshold
+    return {"route_decision": "score", "route_cut": None if cut == -math.inf else cut, "route_score": True}
+
+
+def _position_hash(config: ModelConfig, router: Router) -> dict[str, Any]:
+    # the random router's causal rule: hash(layer, position) // HASH_SCALE < capacity x (HASH_MODULUS // HASH_SCALE)
+    return {"route_decision": "position_hash", "route_cut": float(config.capacity * (HASH_MODULUS // HASH_SCALE)),
+            "route_score": False}
+
+
+def _predictor(score: bool) -> Callable[[ModelConfig, Router], dict[str, Any]]:
+    return lambda config, router: {"route_decision": "predictor", "route_cut": None, "route_score": score}
+
+
+CAUSAL_RULES: dict[tuple[str, str], Callable[[ModelConfig, Router], dict[str, Any]]] = {
+    ("topk", "router"): _score_cut(0.0),  # router logit > 0; the update weight from the router logit
+    ("topk", "predictor"): _predictor(score=True),  # predictor logit > 0; the weight still from the router logit
+    ("threshold", "router"): _threshold,  # sigmoid(logit) > p, i.e. logit > log(p / (1 - p))
+    ("random", "router"): _position_hash,  # weight 1
+    ("attention", "predictor"): _predictor(score=False),  # A-MoD decodes by its predictor alone; weight 1
+}
+"""(router kind, causal mode) -> the fields of the exported config that reproduce that rule in modeling_modcli.py."""
+
+
+@dataclass
+class Converted:
+    """What goes into the folder: config.json's contents and the weights, by their names in the folder."""
+
+    config: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    plain: bool
+    """A plain transformers architecture (no remote code)."""
+    architecture: str
+
+
+def refusal(model: MoDDecoder, routing: str) -> str | None:
+    """Why the model cannot become a Hugging Face folder, or None."""
+    config = model.config
+    family = config.family
+    if not family.exportable:
+        return f"--arch {family.name} cannot be written as a Hugging Face folder: {family.export_note}"
+    if not config.dense and (config.router, routing) not in CAUSAL_RULES:
+        return (f"--routing {routing} of the {config.router} router has no Hugging Face form (supported: "
+                + ", ".join(f"{kind} {mode}" for kind, mode in CAUSAL_RULES) + ")")
+    return None
+
+
+def plain_architecture(config: ModelConfig, source: str | None) -> str | None:
+    """The transformers class a model exports as without remote code, or None: a dense model with dense MLPs (an
+    early-exit model at its full depth is one). It keeps the architecture it was imported from (`source`), except
+    that q/k/v biases without an output bias are Qwen2's layout."""
+    if not config.dense or config.experts:
+        return None
+    if config.qkv_bias:
+        return "Qwen2ForCausalLM"
+    return source if source in PLAIN else "LlamaForCausalLM"
+
+
+def norm_eps(config: ModelConfig, dtype: torch.dtype) -> float:
+    """The RMSNorm epsilon as a number (modcli's None is the dtype's machine epsilon, torch.nn.RMSNorm's default)."""
+    return float(config.norm_eps) if config.norm_eps is not None else float(torch.finfo(dtype).eps)
+
+
+def _rope(config: ModelConfig) -> dict[str, Any]:
+    """RoPE in both spellings: transformers 5's `rope_parameters` and the older `rope_theta` / `rope_scaling`."""
+    scaling = config.rope_scaling
+    parameters = {"rope_type": "default", "rope_theta": config.rope_base}
+    if scaling is not None:
+        parameters = {**scaling, "rope_type": "llama3", "rope_theta": config.rope_base}
+    legacy = {"rope_theta": config.rope_base}
+    if scaling is not None:
+        legacy["rope_scaling"] = dict(scaling)
+    return {"rope_parameters": parameters, **legacy}
+
+
+def _common(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model, "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads, "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
+        "intermediate_size": config.hidden, "max_position_embeddings": config.seq_len,
+        "tie_word_embeddings": config.tie_embeddings, "dtype": str(dtype).removeprefix("torch."), "use_cache": True,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    }
+
+
+def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dtype) -> Converted:
+    """The folder's config and weights; `source`: the architecture the run was imported from, if any."""
+    why = refusal(model, routing)
+    if why is not None:
+        raise UserError(why)
+    config = model.config
+    state = {name: tensor.detach().to(dtype).contiguous() for name, tensor in model.state_dict().items()}
+    architecture = plain_architecture(config, source)
+    if architecture is not None:
+        return Converted(_plain_config(config, architecture, dtype), _plain_state(config, state), True, architecture)
+    if config.tie_embeddings:
+        state.pop("head.weight")  # transformers ties it to embed.weight (_tied_weights_keys)
+    remote = {
+        "architectures": ["ModcliForCausalLM"], "model_type": "modcli", "auto_map": AUTO_MAP,
+        **_common(config, dtype), "rms_norm_eps": config.norm_eps, "rope_base": config.rope_base,
+        "llama3_rope_scaling": config.rope_scaling, "qkv_bias": config.qkv_bias,
+        "routed_layers": config.routed_layers(), "route_part": config.route_part, "router_weight": config.router_weight,
+        "router_hidden": config.router_hidden, "predictor_hidden": config.predictor_hidden,
+        "keep_first": config.keep_first, "capacity": config.capacity, "experts": config.experts,
+        "expert_top_k": config.expert_top_k, "noop_layers": config.noop_layers(), "noop_experts": config.noop_experts,
+        "route_decision": "score", "route_cut": 0.0, "route_score": False,
+    }
+    routers = [block.router for block in model.blocks if block.router is not None]
+    if routers:
+        remote.update(CAUSAL_RULES[(config.router, routing)](config, routers[0]))
+    return Converted(remote, state, False, "ModcliForCausalLM")
+
+
+def _plain_config(config: ModelConfig, architecture: str, dtype: torch.dtype) -> dict[str, Any]:
+    model_type = PLAIN[architecture]
+    out = {"architectures": [architecture], "model_type": model_type, **_common(config, dtype), **_rope(config),
+           "hidden_act": "silu", "rms_norm_eps": norm_eps(config, dtype), "attention_dropout": 0.0,
+           "initializer_range": 0.02}
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if model_type == "mistral":
+        out.update(sliding_window=None)
+    if model_type == "qwen2":
+        out.update(sliding_window=None, use_sliding_window=False, max_window_layers=config.n_layers,
+                   layer_types=["full_attention"] * config.n_layers)
+    return out
+
+
+def _plain_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """modcli's names -> transformers' Llama layout: the fused q/k/v and gate/up tensors split (the reverse of
+    modcli.pretrained.adapters.LlamaAdapter.state_dict)."""
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = state["head.weight"]
+    sizes = [config.n_heads * config.head_dim] + 2 * [config.kv_heads * config.head_dim]
+    for i in range(config.n_layers):
+        ours, hf = f"blocks.{i}", f"model.layers.{i}"
+        out[f"{hf}.input_layernorm.weight"] = state[f"{ours}.attn_norm.weight"]
+        for name, part in zip("qkv", state[f"{ours}.attn.qkv.weight"].split(sizes), strict=True):
+            out[f"{hf}.self_attn.{name}_proj.weight"] = part.contiguous()
+        if config.qkv_bias:
+            for name, part in zip("qkv", state[f"{ours}.attn.qkv.bias"].split(sizes), strict=True):
+                out[f"{hf}.self_attn.{name}_proj.bias"] = part.contiguous()
+        out[f"{hf}.self_attn.o_proj.weight"] = state[f"{ours}.attn.proj.weight"]
+        out[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.mlp_norm.weight"]
+        gate, up = state[f"{ours}.mlp.gate_up.weight"].chunk(2)
+        out[f"{hf}.mlp.gate_proj.weight"], out[f"{hf}.mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+        out[f"{hf}.mlp.down_proj.weight"] = state[f"{ours}.mlp.down.weight"]
+    return out
