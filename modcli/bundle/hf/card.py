@@ -103,8 +103,7 @@ def model_card(name: str, model: MoDDecoder, routing: str, origin: Provenance, v
                ", ".join(f"{block} {share:.1%}" for block, share in processed.items())
                + f" of the tokens (measured on the export's check text, {check.get('check_tokens')} tokens)")
     checked = check.get("status", "not checked")
-    loading = ("AutoModelForCausalLM.from_pretrained(path)" if plain else
-               "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
+    trust = "" if plain else ", trust_remote_code=True"
     rows = [
         ("base model", base),
         ("architecture", f"{architecture}: {config.kind}, {config.n_layers} blocks, d_model {config.d_model}, "
@@ -130,7 +129,8 @@ def model_card(name: str, model: MoDDecoder, routing: str, origin: Provenance, v
         f"Exported by `modcli export --hf` from a modcli run ({config.kind}).", "",
         "| field | value |", "| --- | --- |", table, "",
         "## Loading", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-        f"model = {loading}", "tokenizer = AutoTokenizer.from_pretrained(path)", "```", "",
+        f"model = AutoModelForCausalLM.from_pretrained(path{trust})",
+        f"tokenizer = AutoTokenizer.from_pretrained(path{trust})", "```", "",
         "Greedy by default (generation_config.json); `generate(..., do_sample=True, temperature=0.8)` samples.",
         *([] if config.dense else [
             "", "Every routed block decides token by token with the causal rule above (never a top-k over the "
