@@ -70,12 +70,14 @@ def decided_model(config: ModelConfig, seed: int = 0) -> MoDDecoder:
     model = MoDDecoder(config).eval()
     for block in model.blocks:
         router = block.router
-        for network in (getattr(router, "score", None), getattr(router, "predictor", None)):
+        cuts = ((getattr(router, "score", None), getattr(router, "logit_threshold", 0.0)),
+                (getattr(router, "predictor", None), 0.0))
+        for network, cut in cuts:
             if network is None:
                 continue
             last = [m for m in network.modules() if isinstance(m, torch.nn.Linear)][-1]
             last.weight.mul_(40.0)
-            last.bias.fill_(0.0)
+            last.bias.fill_(cut)
     return model
 
 
@@ -303,6 +305,18 @@ def test_a_converted_imported_model_round_trips_with_remote_code(imported, tmp_p
     tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(hf(tokens).logits, model(tokens, "router"), atol=ATOL, rtol=0)
     assert hf.config.qkv_bias == (name == "qwen2") and hf.config.tie_word_embeddings == (name == "qwen2")
+
+
+def test_an_early_exit_model_exports_at_full_depth_as_plain_llama(tmp_path):
+    torch.manual_seed(0)
+    config = ModelConfig(d_model=32, n_layers=3, n_heads=4, seq_len=32, arch="early-exit")
+    model = config.family.model_class()(config).eval()
+    result = export(save_run(tmp_path / "run", model), tmp_path / "hf")
+    assert result.architecture == "LlamaForCausalLM" and not result.remote_code
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path / "hf", remote=False)(tokens).logits, model(tokens), atol=ATOL,
+                                   rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------- bad input

@@ -89,9 +89,10 @@ def plain_architecture(config: ModelConfig, source: str | None) -> str | None:
     return source if source in PLAIN else "LlamaForCausalLM"
 
 
-def norm_eps(config: ModelConfig, dtype: torch.dtype) -> float:
-    """The RMSNorm epsilon as a number (modcli's None is the dtype's machine epsilon, torch.nn.RMSNorm's default)."""
-    return float(config.norm_eps) if config.norm_eps is not None else float(torch.finfo(dtype).eps)
+def norm_eps(config: ModelConfig) -> float:
+    """The RMSNorm epsilon as a number: modcli's None is the dtype's machine epsilon (torch.nn.RMSNorm's default),
+    float32's for the float32 weights modcli trains."""
+    return float(config.norm_eps) if config.norm_eps is not None else float(torch.finfo(torch.float32).eps)
 
 
 def _rope(config: ModelConfig) -> dict[str, Any]:
@@ -147,7 +148,7 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
 def _plain_config(config: ModelConfig, architecture: str, dtype: torch.dtype) -> dict[str, Any]:
     model_type = PLAIN[architecture]
     out = {"architectures": [architecture], "model_type": model_type, **_common(config, dtype), **_rope(config),
-           "hidden_act": "silu", "rms_norm_eps": norm_eps(config, dtype), "attention_dropout": 0.0,
+           "hidden_act": "silu", "rms_norm_eps": norm_eps(config), "attention_dropout": 0.0,
            "initializer_range": 0.02}
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)

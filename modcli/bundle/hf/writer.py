@@ -82,14 +82,16 @@ class HFExportResult:
 
 
 def _check_out(out: Path, force: bool) -> None:
+    """As an ONNX bundle's --out: an existing --out needs --force, and --force replaces only an empty folder or
+    one that `export --hf` wrote."""
     if not out.exists():
         return
+    if not force:
+        raise UserError(f"--out {out} already exists; pass --force to replace it")
     if not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder; refusing to replace it")
     if not any(out.iterdir()):
         return
-    if not force:
-        raise UserError(f"--out {out} already exists; pass --force to replace it")
     try:
         ours = MARKER_KEY in json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
