@@ -202,6 +202,21 @@ def test_decode_steps_skip_whole_rows_of_a_batch(exported):
     assert 1 in decode_rows  # some steps left a row out altogether
 
 
+def test_the_remote_files_import_only_torch_and_transformers():
+    import ast
+
+    from modcli.bundle.hf.convert import REMOTE, REMOTE_FILES
+
+    for name in REMOTE_FILES:
+        tree = ast.parse((REMOTE / name).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names}
+        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and not node.level}
+        assert imported <= {"__future__", "math", "torch", "transformers"}, (name, imported)
+
+
+@pytest.mark.slow
 def test_the_modeling_file_needs_no_modcli(exported, tmp_path):
     """Loaded in a fresh interpreter where importing modcli fails, the folder gives modcli's logits."""
     run, folder = exported("mode-staged")
