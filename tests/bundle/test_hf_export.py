@@ -375,6 +375,18 @@ def test_force_replaces_an_earlier_export_and_json_reports_it(exported, tmp_path
     assert {c["case"] for c in report["checks"]} >= {"left-padded B=2"}
 
 
+def test_without_transformers_the_folder_is_written_unchecked_and_says_so(exported, tmp_path, monkeypatch):
+    import importlib.util
+
+    run, _ = exported("topk-router")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "transformers" else find_spec(name, *args))
+    result = export(run, tmp_path / "hf")
+    assert not result.checked and not result.checks and (tmp_path / "hf" / "model.safetensors").is_file()
+    assert "| check | not checked: transformers is not installed |" in (tmp_path / "hf" / "README.md").read_text()
+
+
 def test_an_unsupported_family_is_refused_with_the_reason(tmp_path):
     torch.manual_seed(0)
     config = ModelConfig(d_model=32, n_layers=5, n_heads=4, seq_len=32, arch="recursion", recursions=3,
