@@ -383,7 +383,8 @@ def evaluate_tasks(config: HarnessConfig) -> HarnessResult:
                                  num_fewshot=config.num_fewshot, limit=config.limit, task_manager=manager,
                                  log_samples=False, bootstrap_iters=DEFAULT_BOOTSTRAP_ITERS)
     except (ConnectionError, FileNotFoundError) as exc:  # a dataset neither cached nor reachable (offline)
-        raise UserError(f"--tasks: a task's data is not available: {exc}") from None
+        raise UserError(f"--tasks: a task's data is not on this machine ({exc}): fetch it once with network access, "
+                        "or point HF_HOME at a cache that holds it (docs/eval-harness.md)") from None
     checkpoint = model.checkpoint
     step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
     return HarnessResult(str(checkpoint), step, model.model.config.kind, model.routing, lm_eval.__version__,

@@ -17,9 +17,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from modcli.checkpoint.store import load_model_from
+from modcli.checkpoint.store import load_model_from, save_checkpoint
 from modcli.cli import app
-from tests.conftest import tiny_run_config
+from modcli.config import ModelConfig
+from tests.conftest import tiny_model_config, tiny_run_config
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                    reason="lm-eval is not installed (pip install 'modcli[eval]')")
@@ -88,6 +89,43 @@ class Independent:
             context = [prefix] if start == 0 else tokens[end - self.window - 1:start]
             total += self.logprob(context, tokens[start:end])
         return total
+
+
+SHAPE = dict(d_model=32, n_layers=4, n_heads=4, seq_len=32)
+FAMILIES = {
+    "topk": lambda: tiny_model_config(), "threshold": lambda: tiny_model_config(router="threshold"),
+    "attention": lambda: tiny_model_config(router="attention"), "moe": lambda: tiny_model_config(experts=4),
+    "integrated MoDE": lambda: tiny_model_config(router="integrated", experts=4, noop_experts=2),
+    "early exit": lambda: ModelConfig(**SHAPE, arch="early-exit"),
+    "recursion": lambda: ModelConfig(**{**SHAPE, "n_layers": 5}, arch="recursion", recursions=3),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_scores_equal_the_models_own_in_every_family_and_causal_mode(family, tmp_path):
+    """Right-padded batches of requests longer and shorter than the window, in each causal mode of each family."""
+    from modcli.config import DataConfig, RunConfig, TrainConfig
+    from modcli.evaluation.harness import generate_greedy, score_continuations
+    from modcli.models.build import build_model
+
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    run = RunConfig(model=config, data=DataConfig(), train=TrainConfig(out=str(tmp_path)))
+    save_checkpoint(tmp_path, 0, build_model(config), None, run, {"step": 0}, keep=1)
+    generator = torch.Generator().manual_seed(1)
+    requests = [(torch.randint(0, 256, (context,), generator=generator).tolist(),
+                 torch.randint(0, 256, (continuation,), generator=generator).tolist())
+                for context, continuation in [(5, 3), (30, 4), (12, 1), (40, 6), (2, 2)]]
+    prompts = [context[-20:] for context, _ in requests]
+    cpu = torch.device("cpu")
+    for mode in load_model_from(tmp_path)[0].causal_modes() or ("dense",):
+        model = Independent(tmp_path, mode)
+        expected = [model.logprob(*request) for request in requests]
+        for batch_size in (1, 3):
+            scores = score_continuations(model.model, mode, requests, 32, batch_size, cpu, "float32")
+            assert [logprob for logprob, _ in scores] == pytest.approx(expected, abs=1e-5)
+        one_by_one = [generate_greedy(model.model, mode, [prompt], 6, cpu, "float32")[0] for prompt in prompts]
+        assert generate_greedy(model.model, mode, prompts, 6, cpu, "float32") == one_by_one
 
 
 def argmax(values: list[float]) -> int:
@@ -240,11 +278,16 @@ def test_bad_input_is_one_line_and_exit_2(learned_run, tmp_path):
 
 @needs_lm_eval
 @pytest.mark.slow
-def test_an_unknown_task_is_one_line_and_exit_2(learned_run):
-    """A name that is neither in --include-path nor among lm-eval's own tasks (indexing those takes seconds)."""
-    result = runner.invoke(app, ["eval", str(learned_run), "--tasks", "modcli_tiny_choice,no_such_task",
-                                 "--include-path", str(TASKS), "--device", "cpu"])
-    check_one_line(result, "--tasks: unknown task no_such_task: not among lm-eval's")
+def test_an_unknown_task_and_data_not_on_this_machine_are_one_line_and_exit_2(learned_run):
+    """A name neither in --include-path nor among lm-eval's own tasks (indexing those takes seconds), and a standard
+    task whose data is not in the (empty) cache, offline."""
+    import datasets
+
+    assert datasets.config.HF_HUB_OFFLINE  # nothing can be downloaded here
+    args = ["eval", str(learned_run), "--include-path", str(TASKS), "--device", "cpu", "--tasks"]
+    check_one_line(runner.invoke(app, [*args, "modcli_tiny_choice,no_such_task"]),
+                   "--tasks: unknown task no_such_task: not among lm-eval's")
+    check_one_line(runner.invoke(app, [*args, "arc_easy"]), "--tasks: a task's data is not on this machine")
 
 
 def check_one_line(result, message: str) -> None:
