@@ -302,3 +302,35 @@ def test_without_lm_eval_the_extra_is_named(tmp_path, monkeypatch):
     result = runner.invoke(app, ["eval", str(tmp_path), "--tasks", "modcli_tiny_choice"])
     assert result.exit_code == 2 and result.stderr.strip() == (
         "error: --tasks needs lm-evaluation-harness, an optional extra: pip install 'modcli[eval]'")
+
+
+def json_tokenizer(path: Path, special: list[str], bos: str | None = None):
+    """A small byte-level BPE tokenizer.json with these special tokens (and a post-processor that adds `bos`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from modcli.data.tokenizer import JsonTokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["def f(x):\n    return x\n"] * 4, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                                 special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    tokenizer.save(str(path))
+    return JsonTokenizer(path)
+
+
+def test_the_prefix_token_and_encoding_without_special_tokens(tmp_path):
+    from modcli.data.tokenizer import ByteTokenizer
+    from modcli.evaluation.harness import encode, prefix_token
+
+    assert prefix_token(ByteTokenizer()) == 10 and encode(ByteTokenizer(), "é") == [0xC3, 0xA9]
+    llama_like = json_tokenizer(tmp_path / "a.json", ["<unk>", "<s>", "</s>"], bos="<s>")
+    assert prefix_token(llama_like) == llama_like.tokenizer.token_to_id("<s>") == 1
+    assert llama_like.encode("def f")[0] == 1 and 1 not in encode(llama_like, "def f")  # no BOS in the text's tokens
+    qwen_like = json_tokenizer(tmp_path / "b.json", ["<|endoftext|>", "<|im_start|>"])
+    assert prefix_token(qwen_like) == qwen_like.tokenizer.token_to_id("<|endoftext|>") == 0
+    plain = json_tokenizer(tmp_path / "c.json", [])
+    assert prefix_token(plain) == plain.tokenizer.token_to_id("Ċ")  # the byte-level newline
