@@ -104,7 +104,7 @@ def _tasks(values: dict, json_output: bool) -> None:
     if len(routing) > 1:
         raise UserError(f"--tasks runs under one causal --routing mode, got {len(routing)}: {', '.join(routing)}")
     values["routing"] = routing[0]
-    values["tasks"] = [task.strip() for task in values["tasks"].split(",")]
+    values["tasks"] = values["tasks"].split(",")
     result = modcli.evaluate_tasks(options.build(modcli.HarnessConfig, values))
     if json_output:
         print_json(dataclasses.asdict(result))

@@ -87,6 +87,7 @@ class HarnessConfig:
         require(self.limit is None or self.limit >= 1, f"--limit must be >= 1, got {self.limit}")
         require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         require(self.dtype in TORCH_DTYPES, f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {self.dtype!r}")
+        self.tasks = [task.strip() for task in self.tasks]
 
 
 @dataclass
@@ -213,7 +214,11 @@ def prefix_token(tokenizer: Tokenizer) -> int:
         end_of_text = tokenizer.tokenizer.token_to_id("<|endoftext|>")
         if end_of_text is not None:
             return end_of_text
-    return encode(tokenizer, "\n")[-1]
+    newline = encode(tokenizer, "\n")
+    if not newline:
+        raise UserError(f"{tokenizer.name} has no BOS, <|endoftext|> or newline token to put before a text: give "
+                        "lm-eval's --model_args prefix_token_id=N")
+    return newline[-1]
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -377,9 +382,9 @@ def evaluate_tasks(config: HarnessConfig) -> HarnessResult:
 
     model = lm_eval_model()(path=config.checkpoint, routing=config.routing, device=config.device, dtype=config.dtype,
                             batch_size=config.batch_size)
-    manager = find_tasks([task.strip() for task in config.tasks], config.include_path)
+    manager = find_tasks(config.tasks, config.include_path)
     try:
-        output = simple_evaluate(model=model, tasks=[task.strip() for task in config.tasks],
+        output = simple_evaluate(model=model, tasks=config.tasks,
                                  num_fewshot=config.num_fewshot, limit=config.limit, task_manager=manager,
                                  log_samples=False, bootstrap_iters=DEFAULT_BOOTSTRAP_ITERS)
     except (ConnectionError, FileNotFoundError) as exc:  # a dataset neither cached nor reachable (offline)
