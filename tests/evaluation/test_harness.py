@@ -334,3 +334,28 @@ def test_the_prefix_token_and_encoding_without_special_tokens(tmp_path):
     assert prefix_token(qwen_like) == qwen_like.tokenizer.token_to_id("<|endoftext|>") == 0
     plain = json_tokenizer(tmp_path / "c.json", [])
     assert prefix_token(plain) == plain.tokenizer.token_to_id("Ċ")  # the byte-level newline
+
+
+@needs_lm_eval
+def test_a_run_with_a_tokenizer_json_is_scored_in_its_own_tokens(tmp_path):
+    """lm-eval splits context and continuation in the run's BPE tokens (the whole text encoded, the context's tokens
+    taken off the front); each request's log-probability is the model's own for those tokens."""
+    from modcli.config import DataConfig, RunConfig, TrainConfig
+    from modcli.evaluation.harness import encode
+    from modcli.models.build import build_model
+
+    tokenizer = json_tokenizer(tmp_path / "tokenizer.json", ["<|endoftext|>"])
+    config = tiny_model_config(vocab_size=280)
+    run = RunConfig(model=config, data=DataConfig(tokenizer="tokenizer.json"), train=TrainConfig(out=str(tmp_path)))
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path, 0, build_model(config), None, run, {"step": 0}, keep=1)
+
+    model = Independent(tmp_path, "router")
+    logged = samples(tmp_path, "modcli_tiny_choice", limit=6)
+    assert len(logged) == 6
+    for sample in logged:
+        for (context, continuation), ((logprob, _),) in zip(sample["arguments"], sample["resps"], strict=True):
+            context_tokens = encode(tokenizer, context)
+            whole = encode(tokenizer, context + continuation)
+            assert whole[:len(context_tokens)] == context_tokens and len(whole) < len(context + continuation)
+            assert logprob == model.logprob(context_tokens, whole[len(context_tokens):])
