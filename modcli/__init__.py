@@ -15,6 +15,7 @@ _EXPORTS = {
     "DataConfig": "modcli.config", "ModelConfig": "modcli.config", "RunConfig": "modcli.config",
     "TrainConfig": "modcli.config", "resolve_run_config": "modcli.config",
     "EvalConfig": "modcli.evaluation.perplexity", "evaluate": "modcli.evaluation.perplexity",
+    "HarnessConfig": "modcli.evaluation.harness", "evaluate_tasks": "modcli.evaluation.harness",
     "GenerateConfig": "modcli.decode.generation", "generate": "modcli.decode.generation",
     "Utf8Stream": "modcli_runtime.text",
     "MoDDecoder": "modcli.models.decoder", "train": "modcli.training.loop",

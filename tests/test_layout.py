@@ -23,6 +23,7 @@ HEAVY_OPTIONAL = (
     "tensorboard", "torch.utils.tensorboard",  # an extra (`pip install modcli[tensorboard]`)
     "transformers",  # a dev extra, never a dependency of the package
     "gguf",  # an extra (`pip install modcli[gguf]`): `modcli import FILE.gguf` only
+    "lm_eval",  # an extra (`pip install modcli[eval]`): `modcli eval --tasks` only; about 1 s, pandas and datasets
     "tokenizers",  # optional for the PyTorch-free runtime (bundles with a tokenizer.json); about 0.1 s
     "torch._dynamo", "torch._inductor",  # --compile and AOTInductor only: about 1 s and 800 modules on top of torch
     "torch.distributed.fsdp", "torch.distributed.tensor",  # under torchrun only: about 0.5 s

@@ -1,5 +1,6 @@
 """`modcli eval`: flags -> EvalConfig -> modcli.evaluate -> one table per routing mode, and the causal rules'
-agreement with top-k."""
+agreement with top-k; with --tasks, flags -> HarnessConfig -> modcli.evaluate_tasks (lm-evaluation-harness) -> one
+row per task and metric."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from rich.table import Table
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stdout, subcommand
+from modcli.errors import UserError
 from modcli.reports.console import print_json
+
+PERPLEXITY_ONLY = {"data": "--data", "glob": "--glob", "batches": "--batches"}
+"""Flags of the perplexity evaluation that mean nothing to lm-eval's tasks."""
+TASKS_ONLY = {"include_path": "--include-path", "num_fewshot": "--num-fewshot", "limit": "--limit"}
+"""Flags of --tasks that mean nothing to the perplexity evaluation."""
 
 
 @subcommand
@@ -26,10 +33,22 @@ def eval_command(
     batch_size: options.BatchSize = None,
     device: options.Device = None,
     dtype: options.Dtype = None,
+    tasks: options.Tasks = None,
+    include_path: options.IncludePath = None,
+    num_fewshot: options.NumFewshot = None,
+    limit: options.Limit = None,
     json_output: options.Json = False,
 ) -> None:
-    """Validation loss, bits per byte and perplexity under each routing mode (non-causal ones as a reference)."""
-    result = modcli.evaluate(options.build(modcli.EvalConfig, options.given(ctx)))
+    """Validation loss, bits per byte and perplexity under each routing mode (non-causal ones as a reference); with
+    --tasks, lm-evaluation-harness tasks under one causal routing mode."""
+    values = options.given(ctx)
+    if tasks is not None:
+        _tasks(values, json_output)
+        return
+    stray = [flag for name, flag in TASKS_ONLY.items() if name in values]
+    if stray:
+        raise UserError(f"{stray[0]} applies to lm-evaluation-harness tasks: give --tasks too")
+    result = modcli.evaluate(options.build(modcli.EvalConfig, values))
     if json_output:
         print_json(dataclasses.asdict(result))
         return
@@ -74,3 +93,32 @@ def _agreement_table(result):
         for rule, stats in rules.items():
             table.add_row(block, rule, *(f"{stats[column]:.3f}" for column in columns))
     return table
+
+
+def _tasks(values: dict, json_output: bool) -> None:
+    """`modcli eval RUN --tasks ...`: the tasks' metrics as a table, or one JSON object."""
+    stray = [flag for name, flag in PERPLEXITY_ONLY.items() if name in values]
+    if stray:
+        raise UserError(f"{stray[0]} applies to the perplexity evaluation, not to --tasks")
+    routing = values.pop("routing", None) or [None]
+    if len(routing) > 1:
+        raise UserError(f"--tasks runs under one causal --routing mode, got {len(routing)}: {', '.join(routing)}")
+    values["routing"] = routing[0]
+    values["tasks"] = values["tasks"].split(",")
+    result = modcli.evaluate_tasks(options.build(modcli.HarnessConfig, values))
+    if json_output:
+        print_json(dataclasses.asdict(result))
+        return
+    limited = f", first {result.limit} documents per task" if result.limit else ""
+    table = Table(title=f"{result.checkpoint} ({result.kind}), routing {result.routing} (causal), lm-eval "
+                        f"{result.lm_eval_version}{limited}")
+    for column in ("task", "metric", "value", "stderr", "docs", "shots"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    for task in result.results:
+        for metric, value in task.metrics.items():
+            better = {True: " ↑", False: " ↓"}.get(task.higher_is_better.get(metric), "")  # which way is better
+            error = task.stderr.get(metric)
+            table.add_row(task.task + (" (group)" if task.group else ""), metric + better, f"{value:.6g}",
+                          "-" if error is None else f"{error:.4f}", "-" if task.samples is None else str(task.samples),
+                          "-" if task.num_fewshot is None else str(task.num_fewshot))
+    stdout.print(table)

@@ -40,6 +40,7 @@ MODEL = ("config.py", "ModelConfig")
 DATA = ("config.py", "DataConfig")
 TRAIN = ("config.py", "TrainConfig")
 EVAL = ("evaluation/perplexity.py", "EvalConfig")
+HARNESS = ("evaluation/harness.py", "HarnessConfig")
 GENERATE = ("decode/generation.py", "GenerateConfig")
 EXPORT = ("bundle/config.py", "ExportConfig")
 PROFILE = ("profiling/config.py", "ProfileConfig")
@@ -134,7 +135,8 @@ def build(config_class: type, values: dict[str, Any]) -> Any:
 Checkpoint = Annotated[Optional[str], typer.Argument(
     help="Run folder (its newest checkpoint) or checkpoint folder.", show_default=False)]
 BatchSize = Annotated[Optional[int], typer.Option(
-    help="Sequences per batch: train's micro-batch (default: the preset's), eval's and profile's batch (default 8).")]
+    help="Sequences per batch: train's micro-batch (default: the preset's), eval's and profile's batch (default 8; eval "
+         "--tasks: requests per forward pass).")]
 Compile = Annotated[Optional[bool], typer.Option("--compile", help=(
     "torch.compile: train the model; generate the causal prefill and a static-shape decode step (a CUDA graph on "
     "CUDA; compile time reported apart); profile adds compiled to --backends; export also writes torch.export .pt2 "
@@ -164,8 +166,8 @@ Out = Annotated[Optional[str], typer.Option(help=(
 Preset = Annotated[Optional[str], typer.Option(
     help="tiny, small or base: the values --config and the flags start from (default: train tiny, profile small).")]
 _ROUTING_HELP = ("A routing mode of the model's router (topk router: topk, router or predictor). eval: each mode "
-                 "given (repeat; default all); generate, export's decode graph, profile's prefill and decode: one "
-                 "causal mode (default: the router's first).")
+                 "given (repeat; default all); eval --tasks, generate, export's decode graph, profile's prefill and "
+                 "decode: one causal mode (default: the router's first).")
 RoutingModes = Annotated[Optional[list[str]], typer.Option(help=_ROUTING_HELP)]
 """eval's --routing: modes, repeated."""
 Routing = Annotated[Optional[str], typer.Option(help=_ROUTING_HELP)]
@@ -242,6 +244,12 @@ Parallel = Annotated[Optional[str], field_option(TRAIN, "parallel")]
 # ----------------------------------------------------------------------------------------------- eval, generate
 
 Batches = Annotated[Optional[int], field_option(EVAL, "batches")]
+Tasks = Annotated[Optional[str], field_option(HARNESS, "tasks", help=(
+    "lm-evaluation-harness tasks, groups or tags, comma-separated (e.g. arc_easy,hellaswag,piqa,winogrande,mmlu), "
+    "or task YAML files: run them instead of the perplexity evaluation (needs pip install 'modcli[eval]')."))]
+IncludePath = Annotated[Optional[str], field_option(HARNESS, "include_path")]
+NumFewshot = Annotated[Optional[int], field_option(HARNESS, "num_fewshot")]
+Limit = Annotated[Optional[int], field_option(HARNESS, "limit")]
 Prompts = Annotated[Optional[list[str]], field_option(GENERATE, "prompts", "--prompt")]
 MaxNewTokens = Annotated[Optional[int], field_option(GENERATE, "max_new_tokens")]
 Temperature = Annotated[Optional[float], field_option(GENERATE, "temperature")]
