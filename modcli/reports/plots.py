@@ -39,7 +39,8 @@ def _budget_colours(budgets: list[float]) -> dict[float, Any]:
     return {budget: cmap(0.1 + 0.75 * i / n) for i, budget in enumerate(sorted(budgets))}
 
 
-def isoflop_plot(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]], path: str | Path) -> str:
+def isoflop_plot(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]], path: str | Path,
+                 analysis: dict[str, dict[str, Any]] | None = None) -> str:
     """Causal validation loss against parameters, one colour per training-FLOP budget; dense runs are solid lines
     with circles, each MoD variant a dashed line with its own marker. The lowest point of each curve has a black
     edge, and the best run of each budget a star."""
