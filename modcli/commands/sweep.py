@@ -60,6 +60,11 @@ def sweep(
             stdout.print(f"budget {label}: best MoD {entry['mod']['name']} {entry['mod']['causal_loss']:.4f}, best dense "
                          f"{entry['dense']['name']} {entry['dense']['causal_loss']:.4f}: {verdict} by "
                          f"{abs(entry['mod_minus_dense']):.4f} nats", highlight=False, soft_wrap=True)
+    for line in sweep_grid.analysis_lines(result.analysis):
+        stdout.print(line, highlight=False, soft_wrap=True)
+    if result.elsewhere:
+        stdout.print(f"{len(result.elsewhere)} runs were held by another sweep process on this folder: "
+                     f"{', '.join(result.elsewhere)}", highlight=False, soft_wrap=True)
     if result.plots:
         stdout.print("plots: " + ", ".join(result.plots.values()), highlight=False)
     stdout.print(f"results: {Path(result.out) / 'results.jsonl'}; wall time {result.wall_time_s:.0f} s", highlight=False)

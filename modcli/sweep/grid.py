@@ -246,7 +246,8 @@ def _named(entry: dict[str, Any], where: str, grid_budgets: list[float]
             isinstance(b, (int, float)) and not isinstance(b, bool) for b in only_budgets),
             f"{where}: budgets must be a non-empty list of the grid's budgets, got {only_budgets!r}")
         missing = [b for b in only_budgets if float(b) not in grid_budgets]
-        require(not missing, f"{where}: budgets {missing} are not among the grid's budgets {grid_budgets}")
+        require(not missing, f"{where}: budgets [{', '.join(map(budget_label, missing))}] are not among the grid's "
+                f"budgets [{', '.join(map(budget_label, grid_budgets))}]")
         only_budgets = [float(b) for b in only_budgets]
     only_sizes = entry.pop("sizes", None)
     if only_sizes is not None:
@@ -548,6 +549,7 @@ def summary_rows(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]]) ->
         reference = f"{r['reference_mode']} {r['reference_loss']:.4f}" if r.get("reference_loss") is not None else "-"
         rows.append({
             "budget": budget_label(r["budget"]), "size": r["size"], "variant": r["variant"],
+            "seed": str(r.get("seed", "-")),
             "parameters": f"{r['parameters']:,}", "steps": str(r.get("steps", r.get("planned_steps"))),
             "causal val loss": (f"{r['causal_loss']:.4f}{' *' if r['name'] in winners else ''} ({r['causal_mode']})"
                                 if r.get("causal_loss") is not None else "diverged" if r.get("diverged") else "-"),

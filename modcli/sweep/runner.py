@@ -308,7 +308,8 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
     plots: dict[str, str] = {}
     if config.plots:
 
-        plots["isoflop"] = isoflop_plot(runs, best, out / "isoflop.png", analysis)
+        if analysis:
+            plots["isoflop"] = isoflop_plot(analysis, out / "isoflop.png")
         if any(r.get("latency") for r in runs):
             plots["frontier"] = frontier_plot(runs, out / "frontier.png")
         log(f"wrote {', '.join(plots.values())}")
