@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -31,6 +32,8 @@ IGNORED_WHEN_COMPARING = ("out", "resume", "device", "log_every", "keep")
 """Train fields that do not change what a run computes: a run folder made with other values is still this point."""
 RESULTS = "results.jsonl"
 RUNS = "runs"
+LOCKS = ".locks"
+"""Per point a lock file, held by the `modcli sweep` process running it (the OS releases it if that one dies)."""
 
 
 @dataclass
@@ -490,8 +493,8 @@ def _parabola(points: list[dict[str, Any]], low: int) -> dict[str, Any] | None:
     a, b, c = np.polyfit(x, [p["mean"] for p in window], 2)
     fit: dict[str, Any] = {"sizes": [p["size"] for p in window], "a": float(a), "b": float(b), "c": float(c),
                            "parameters": None, "loss": None, "inside": False}
-    if a > 0:
-        vertex = -b / (2 * a)
+    vertex = -b / (2 * a) if a > 0 else math.inf
+    if abs(vertex) < 30:  # a minimum at all (a > 0), and one that a float can hold
         fit.update(parameters=float(10 ** vertex), loss=float(c - b * b / (4 * a)),
                    inside=bool(x.min() <= vertex <= x.max()))
     return fit

@@ -62,6 +62,7 @@ from modcli.reports.console import stderr_console
 from modcli.reports.plots import frontier_plot, isoflop_plot
 from modcli.sweep.grid import (
     ETA,
+    LOCKS,
     RUNS,
     EvalSettings,
     Grid,
@@ -276,9 +277,9 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
     trained: list[str] = []
     elsewhere: list[str] = []
     eta = ETA(todo)
-    (out / RUNS).mkdir(exist_ok=True)
+    (out / LOCKS).mkdir(exist_ok=True)
     for done, point in enumerate(todo):
-        claim = FileLock(out / RUNS / f".{point.name}.lock")
+        claim = FileLock(out / LOCKS / f"{point.name}.lock")
         try:
             claim.acquire(timeout=0)
         except Timeout:  # another `modcli sweep` on this folder is running this point right now

@@ -99,8 +99,8 @@ def test_two_sweep_processes_share_one_folder(tmp_path, corpus_file):
 
     grid = write_grid(tmp_path / "grid.toml", corpus_file)
     out = tmp_path / "out"
-    (out / "runs").mkdir(parents=True)
-    other = FileLock(out / "runs" / ".2.5e8_d32-L2_dense.lock")
+    (out / ".locks").mkdir(parents=True)
+    other = FileLock(out / ".locks" / "2.5e8_d32-L2_dense.lock")
     other.acquire(timeout=0)
     try:
         first = run_sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
