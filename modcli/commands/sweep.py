@@ -26,6 +26,7 @@ def sweep(
     device: options.Device = None,
     dtype: options.Dtype = None,
     dry_run: options.DryRun = None,
+    report_only: options.ReportOnly = None,
     verbose: options.Verbose = None,
     json_output: options.Json = False,
 ) -> None:
@@ -44,8 +45,11 @@ def sweep(
         stdout.print(table)
         return
     rows = sweep_grid.summary_rows(result.runs, result.best or sweep_grid.best_per_budget(result.runs))
+    finished = sum(r.get("causal_loss") is not None or bool(r.get("diverged")) for r in result.runs)
     table = Table(title=f"sweep {result.out}: {result.points} runs ({len(result.trained)} trained now, "
-                        f"{len(result.skipped)} already done); * = best causal loss of its budget")
+                        f"{len(result.skipped)} already done" + (f", {finished} finished, report only"
+                                                                 if result.report_only else "")
+                        + "); * = best causal loss of its budget")
     for column in rows[0]:
         table.add_column(column, justify="left" if column in ("size", "variant", "causal val loss", "non-causal")
                          else "right")

@@ -60,9 +60,11 @@ from modcli.models.build import build_model
 from modcli.profiling.profile import ProfileConfig, profile
 from modcli.reports.console import stderr_console
 from modcli.reports.plots import frontier_plot, isoflop_plot
+from modcli.sweep.analysis import isoflop_analysis
 from modcli.sweep.grid import (
     ETA,
     LOCKS,
+    RESULTS,
     RUNS,
     EvalSettings,
     Grid,
@@ -75,7 +77,6 @@ from modcli.sweep.grid import (
     comparable,
     differences,
     is_done,
-    isoflop_analysis,
     load_grid,
     one_line,
     planned_record,
@@ -267,17 +268,21 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
         return SweepResult(str(out), grid.path, len(points), [], [], runs, {}, {}, time.perf_counter() - started,
                            dry_run=True)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grid.toml").write_text(Path(config.grid).read_text())
     results = read_results(out)
-    todo = [p for p in points if not is_done(results.get(p.name), p, config.profile)]
-    skipped = [p.name for p in points if p not in todo]
+    if config.report_only:
+        if not results:
+            raise UserError(f"{out / RESULTS} holds no run yet: nothing to report")
+        todo: list[GridPoint] = []
+    else:
+        (out / LOCKS).mkdir(parents=True, exist_ok=True)
+        (out / "grid.toml").write_text(Path(config.grid).read_text())
+        todo = [p for p in points if not is_done(results.get(p.name), p, config.profile)]
+    skipped = [p.name for p in points if is_done(results.get(p.name), p, config.profile)]
     log(f"sweep of {len(points)} runs ({len(grid.budgets)} budgets x {len(grid.sizes)} sizes x {len(grid.variants)} "
         f"variants, restrictions applied) in {out}: {len(skipped)} already done, {len(todo)} to do")
     trained: list[str] = []
     elsewhere: list[str] = []
     eta = ETA(todo)
-    (out / LOCKS).mkdir(exist_ok=True)
     for done, point in enumerate(todo):
         claim = FileLock(out / LOCKS / f"{point.name}.lock")
         try:
@@ -315,7 +320,8 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
             plots["frontier"] = frontier_plot(runs, out / "frontier.png")
         log(f"wrote {', '.join(plots.values())}")
     return SweepResult(str(out), grid.path, len(points), trained, skipped, runs, best, plots,
-                       time.perf_counter() - started, analysis=analysis, elsewhere=elsewhere)
+                       time.perf_counter() - started, analysis=analysis, elsewhere=elsewhere,
+                       report_only=config.report_only)
 
 
 def _run_point(point: GridPoint, record: dict[str, Any] | None, grid: Grid, config: SweepConfig,

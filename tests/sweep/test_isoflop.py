@@ -12,7 +12,8 @@ from filelock import FileLock
 from typer.testing import CliRunner
 
 from modcli.cli import app
-from modcli.sweep.grid import analysis_lines, isoflop_analysis, read_results, update_results
+from modcli.sweep.analysis import isoflop_analysis
+from modcli.sweep.grid import analysis_lines, read_results, update_results
 from tests.sweep.test_sweep import BUDGET, PNG, write_grid
 
 TWO_BUDGETS = f"[{BUDGET}, {2 * BUDGET}]"
@@ -109,11 +110,24 @@ def test_two_sweep_processes_share_one_folder(tmp_path, corpus_file):
     assert first.elsewhere == ["2.5e8_d32-L2_dense"] and first.trained == ["2.5e8_d32-L2_topk"]
     assert list(read_results(out)) == ["2.5e8_d32-L2_topk"]
     assert first.runs[0].get("causal_loss") is None and first.runs[1]["causal_loss"] > 0
+    report = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(out), "--report-only", "--json"])
+    assert report.exit_code == 0, report.output
+    summary = json.loads(report.stdout)
+    assert summary["trained"] == [] and summary["skipped"] == ["2.5e8_d32-L2_topk"] and summary["report_only"]
+    assert list(summary["analysis"]["2.5e8"]["curves"]) == ["topk"] and (out / "isoflop.png").is_file()
+    assert list(read_results(out)) == ["2.5e8_d32-L2_topk"]  # nothing trained
     # What the other process would write meanwhile is merged, not overwritten.
     update_results(out, {"name": "someone-else", "budget": 1.0})
     second = run_sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
     assert second.trained == ["2.5e8_d32-L2_dense"] and second.skipped == ["2.5e8_d32-L2_topk"]
     assert set(read_results(out)) == {"2.5e8_d32-L2_topk", "someone-else", "2.5e8_d32-L2_dense"}
+
+
+def test_report_only_needs_results(tmp_path, corpus_file):
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    result = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(tmp_path / "out"), "--report-only"])
+    assert result.exit_code == 2 and "holds no run yet: nothing to report" in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def record(budget: float, size: str, parameters: int, variant: str, loss: float, seed: int = 1,
