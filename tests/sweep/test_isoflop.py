@@ -116,6 +116,10 @@ def test_two_sweep_processes_share_one_folder(tmp_path, corpus_file):
     assert summary["trained"] == [] and summary["skipped"] == ["2.5e8_d32-L2_topk"] and summary["report_only"]
     assert list(summary["analysis"]["2.5e8"]["curves"]) == ["topk"] and (out / "isoflop.png").is_file()
     assert list(read_results(out)) == ["2.5e8_d32-L2_topk"]  # nothing trained
+    table = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(out), "--report-only"])
+    words = " ".join(table.stdout.split())
+    assert table.exit_code == 0 and "1 finished, report only" in words
+    assert "budget 2.5e8 topk: lowest" in words and "bracketed: no; too few sizes for a fit" in words
     # What the other process would write meanwhile is merged, not overwritten.
     update_results(out, {"name": "someone-else", "budget": 1.0})
     second = run_sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
