@@ -14,6 +14,8 @@ import numpy as np
 
 from modcli.errors import UserError
 
+OFF_SCALE_NATS = 0.4
+"""isoflop.png leaves out of a panel's axis range a curve whose lowest point is this far above the budget's best."""
 MARKERS = ["o", "^", "s", "D", "v", "P", "X", "<", ">", "h"]
 DPI = 110
 
@@ -55,10 +57,23 @@ def isoflop_plot(analysis: dict[str, dict[str, Any]], path: str | Path) -> str:
     variants = [v for v in variants if v in dense] + [v for v in variants if v not in dense]
     colours = plt.get_cmap("tab10")
     style = {v: (colours(i % 10), MARKERS[i % len(MARKERS)]) for i, v in enumerate(variants)}
-    fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels) + 1.5, 4.8), sharey=True, squeeze=False)
+    from matplotlib.ticker import NullFormatter
+
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels) + 1.5, 4.8), squeeze=False)
+    off_scale: dict[str, float] = {}
     for ax, label in zip(axes[0], labels, strict=True):
         curves = analysis[label]["curves"]
+        best = min((c["minimum"] for c in curves.values()), key=lambda p: p["mean"])
+        # A curve whose lowest point is far above the budget's best would squash the others: it is left out of the
+        # axis range and named in the legend.
+        shown = {v: c for v, c in curves.items() if c["minimum"]["mean"] <= best["mean"] + OFF_SCALE_NATS}
         for variant, curve in curves.items():
+            if variant not in shown:
+                off_scale[variant] = min(off_scale.get(variant, curve["minimum"]["mean"]), curve["minimum"]["mean"])
+        top = max(max(p["losses"]) for c in shown.values() for p in c["points"])
+        span = top - best["mean"]
+        ax.set_ylim(best["mean"] - 0.08 * span - 1e-3, top + 0.08 * span + 1e-3)
+        for variant, curve in shown.items():
             colour, marker = style[variant]
             points = curve["points"]
             xs, ys = [p["parameters"] for p in points], [p["mean"] for p in points]
@@ -77,16 +92,20 @@ def isoflop_plot(analysis: dict[str, dict[str, Any]], path: str | Path) -> str:
                 if fit["parameters"] is not None and fit["inside"]:
                     ax.plot([fit["parameters"]], [fit["loss"]], marker="x", color=colour, markersize=8,
                             linestyle="none")
-        best = min((c["minimum"] for c in curves.values()), key=lambda p: p["mean"])
         ax.plot([best["parameters"]], [best["mean"]], marker="*", markersize=16, color="gold",
                 markeredgecolor="black", linestyle="none", zorder=5)
         ax.set_xscale("log")
+        ticks = sorted({p["parameters"] for c in shown.values() for p in c["points"] if c["dense"]}
+                       or {p["parameters"] for c in shown.values() for p in c["points"]})
+        ax.set_xticks(ticks, [f"{n / 1000:.0f}k" if n < 10**6 else f"{n / 10**6:.1f}M" for n in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("parameters")
         ax.set_title(f"{analysis[label]['budget']:.3g} training FLOPs", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("validation loss, causal routing (nats/token)")
     handles = [plt.Line2D([], [], color=style[v][0], marker=style[v][1], linestyle="-" if v in dense else "--",
-                          label=v) for v in variants]
+                          label=v if v not in off_scale else f"{v} (off the scale: lowest {off_scale[v]:.3f})")
+               for v in variants]
     handles += [plt.Line2D([], [], marker="*", color="gold", markeredgecolor="black", markersize=12, linestyle="none",
                            label="lowest of the budget"),
                 plt.Line2D([], [], marker="o", color="white", markeredgecolor="black", markersize=8, linestyle="none",
