@@ -283,6 +283,7 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
     trained: list[str] = []
     elsewhere: list[str] = []
     eta = ETA(todo)
+    already = len(skipped)
     for done, point in enumerate(todo):
         claim = FileLock(out / LOCKS / f"{point.name}.lock")
         try:
@@ -290,7 +291,7 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
         except Timeout:  # another `modcli sweep` on this folder is running this point right now
             elsewhere.append(point.name)
             eta.finished(point, 0.0, 0.0)
-            log(f"[{len(skipped) + done + 1}/{len(points)}] {point.name}: another sweep process is running it; passed")
+            log(f"[{already + done + 1}/{len(points)}] {point.name}: another sweep process is running it; passed")
             continue
         try:
             record = read_results(out).get(point.name)
@@ -298,7 +299,7 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
                 skipped.append(point.name)
                 eta.finished(point, 0.0, 0.0)
                 continue
-            log(f"[{len(skipped) + done + 1}/{len(points)}] {point.name}: {point.parameters:,} parameters, budget "
+            log(f"[{already + done + 1}/{len(points)}] {point.name}: {point.parameters:,} parameters, budget "
                 f"{point.budget:.3g} FLOPs = {point.steps} steps{eta.text()}")
             record, train_s = _run_point(point, record, grid, config, trained)
             update_results(out, record)
