@@ -294,6 +294,7 @@ Grid = Annotated[Path, field_argument(SWEEP, "grid", help=(
     "Grid TOML: budgets, [[size]] and [[variant]] tables, [common] flags."))]
 ProfileRuns = Annotated[Optional[bool], field_option(SWEEP, "profile", "--profile")]
 DryRun = Annotated[Optional[bool], field_option(SWEEP, "dry_run", "--dry-run")]
+ReportOnly = Annotated[Optional[bool], field_option(SWEEP, "report_only", "--report-only")]
 Verbose = Annotated[Optional[bool], field_option(SWEEP, "verbose", "--verbose")]
 MaxBytes = Annotated[Optional[int], field_option(TOKENIZER, "max_bytes")]
 

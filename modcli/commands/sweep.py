@@ -26,6 +26,7 @@ def sweep(
     device: options.Device = None,
     dtype: options.Dtype = None,
     dry_run: options.DryRun = None,
+    report_only: options.ReportOnly = None,
     verbose: options.Verbose = None,
     json_output: options.Json = False,
 ) -> None:
@@ -44,8 +45,11 @@ def sweep(
         stdout.print(table)
         return
     rows = sweep_grid.summary_rows(result.runs, result.best or sweep_grid.best_per_budget(result.runs))
+    finished = sum(r.get("causal_loss") is not None or bool(r.get("diverged")) for r in result.runs)
     table = Table(title=f"sweep {result.out}: {result.points} runs ({len(result.trained)} trained now, "
-                        f"{len(result.skipped)} already done); * = best causal loss of its budget")
+                        f"{len(result.skipped)} already done" + (f", {finished} finished, report only"
+                                                                 if result.report_only else "")
+                        + "); * = best causal loss of its budget")
     for column in rows[0]:
         table.add_column(column, justify="left" if column in ("size", "variant", "causal val loss", "non-causal")
                          else "right")
@@ -60,6 +64,11 @@ def sweep(
             stdout.print(f"budget {label}: best MoD {entry['mod']['name']} {entry['mod']['causal_loss']:.4f}, best dense "
                          f"{entry['dense']['name']} {entry['dense']['causal_loss']:.4f}: {verdict} by "
                          f"{abs(entry['mod_minus_dense']):.4f} nats", highlight=False, soft_wrap=True)
+    for line in sweep_grid.analysis_lines(result.analysis):
+        stdout.print(line, highlight=False, soft_wrap=True)
+    if result.elsewhere:
+        stdout.print(f"{len(result.elsewhere)} runs were held by another sweep process on this folder: "
+                     f"{', '.join(result.elsewhere)}", highlight=False, soft_wrap=True)
     if result.plots:
         stdout.print("plots: " + ", ".join(result.plots.values()), highlight=False)
     stdout.print(f"results: {Path(result.out) / 'results.jsonl'}; wall time {result.wall_time_s:.0f} s", highlight=False)

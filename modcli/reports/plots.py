@@ -10,8 +10,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from modcli.errors import UserError
 
+OFF_SCALE_NATS = 0.4
+"""isoflop.png leaves out of a panel's axis range a curve whose lowest point is this far above the budget's best."""
 MARKERS = ["o", "^", "s", "D", "v", "P", "X", "<", ">", "h"]
 DPI = 110
 
@@ -39,55 +43,80 @@ def _budget_colours(budgets: list[float]) -> dict[float, Any]:
     return {budget: cmap(0.1 + 0.75 * i / n) for i, budget in enumerate(sorted(budgets))}
 
 
-def isoflop_plot(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]], path: str | Path) -> str:
-    """Causal validation loss against parameters, one colour per training-FLOP budget; dense runs are solid lines
-    with circles, each MoD variant a dashed line with its own marker. The lowest point of each curve has a black
-    edge, and the best run of each budget a star."""
+def isoflop_plot(analysis: dict[str, dict[str, Any]], path: str | Path) -> str:
+    """Causal validation loss against parameters, one panel per training-FLOP budget, one colour and marker per
+    variant (dense solid, MoD dashed), from `modcli.sweep.grid.isoflop_analysis`: each point the mean over its
+    seeds with a bar from the lowest to the highest seed, the lowest point of each curve edged in black, the local
+    parabola in log N dotted with its minimum as a cross, the lowest point of each budget starred."""
     plt = _pyplot()
-    runs = [r for r in runs if r.get("causal_loss") is not None]
-    budgets = sorted({r["budget"] for r in runs})
-    colours = _budget_colours(budgets)
-    variants = _variants(runs)
-    winners = {entry["overall"]["name"] for entry in best.values() if "overall" in entry}
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for budget in budgets:
-        for i, variant in enumerate(variants):
-            curve = sorted((r for r in runs if r["budget"] == budget and r["variant"] == variant),
-                           key=lambda r: r["parameters"])
-            if not curve:
-                continue
-            dense = curve[0]["dense"]
-            xs, ys = [r["parameters"] for r in curve], [r["causal_loss"] for r in curve]
-            ax.plot(xs, ys, linestyle="-" if dense else "--", marker=MARKERS[i % len(MARKERS)], color=colours[budget],
-                    markersize=6, linewidth=1.6 if dense else 1.2, alpha=0.95)
-            low = min(curve, key=lambda r: r["causal_loss"])
-            ax.plot([low["parameters"]], [low["causal_loss"]], marker=MARKERS[i % len(MARKERS)], markersize=9,
-                    color=colours[budget], markeredgecolor="black", markeredgewidth=1.5, linestyle="none")
-            for r in curve:
-                if r["name"] in winners:
-                    ax.plot([r["parameters"]], [r["causal_loss"]], marker="*", markersize=17, color="gold",
-                            markeredgecolor="black", linestyle="none", zorder=5)
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("validation loss, causal routing (nats/token)")
-    ax.set_title("isoFLOP curves: one colour per training-FLOP budget")
-    ax.grid(True, which="both", alpha=0.3)
-    handles = [plt.Line2D([], [], color=colours[b], linewidth=3, label=f"{b:.3g} FLOPs") for b in budgets]
-    handles += [plt.Line2D([], [], color="gray", marker=MARKERS[i % len(MARKERS)], linestyle="-" if _is_dense(runs, v)
-                           else "--", label=v) for i, v in enumerate(variants)]
+    labels = list(analysis)
+    if not labels:
+        raise UserError("no run of the sweep has a validation loss yet")
+    variants = list(dict.fromkeys(v for entry in analysis.values() for v in entry["curves"]))
+    dense = {v for entry in analysis.values() for v, c in entry["curves"].items() if c["dense"]}
+    variants = [v for v in variants if v in dense] + [v for v in variants if v not in dense]
+    colours = plt.get_cmap("tab10")
+    style = {v: (colours(i % 10), MARKERS[i % len(MARKERS)]) for i, v in enumerate(variants)}
+    from matplotlib.ticker import NullFormatter
+
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels) + 1.5, 4.8), squeeze=False)
+    off_scale: dict[str, float] = {}
+    for ax, label in zip(axes[0], labels, strict=True):
+        curves = analysis[label]["curves"]
+        best = min((c["minimum"] for c in curves.values()), key=lambda p: p["mean"])
+        # A curve whose lowest point is far above the budget's best would squash the others: it is left out of the
+        # axis range and named in the legend.
+        shown = {v: c for v, c in curves.items() if c["minimum"]["mean"] <= best["mean"] + OFF_SCALE_NATS}
+        for variant, curve in curves.items():
+            if variant not in shown:
+                off_scale[variant] = min(off_scale.get(variant, curve["minimum"]["mean"]), curve["minimum"]["mean"])
+        top = max(max(p["losses"]) for c in shown.values() for p in c["points"])
+        span = top - best["mean"]
+        ax.set_ylim(best["mean"] - 0.08 * span - 1e-3, top + 0.08 * span + 1e-3)
+        for variant, curve in shown.items():
+            colour, marker = style[variant]
+            points = curve["points"]
+            xs, ys = [p["parameters"] for p in points], [p["mean"] for p in points]
+            low = [[p["mean"] - min(p["losses"]) for p in points], [max(p["losses"]) - p["mean"] for p in points]]
+            ax.errorbar(xs, ys, yerr=low, color=colour, marker=marker, markersize=5, capsize=2,
+                        linestyle="-" if curve["dense"] else "--", linewidth=1.5 if curve["dense"] else 1.1)
+            lowest = curve["minimum"]
+            ax.plot([lowest["parameters"]], [lowest["mean"]], marker=marker, markersize=9, color=colour,
+                    markeredgecolor="black", markeredgewidth=1.5, linestyle="none")
+            fit = curve["fit"]
+            if fit is not None:
+                fitted = [p for p in points if p["size"] in fit["sizes"]]
+                grid = np.linspace(np.log10(fitted[0]["parameters"]), np.log10(fitted[-1]["parameters"]), 50)
+                ax.plot(10 ** grid, fit["a"] * grid ** 2 + fit["b"] * grid + fit["c"], color=colour, linestyle=":",
+                        linewidth=1)
+                if fit["parameters"] is not None and fit["inside"]:
+                    ax.plot([fit["parameters"]], [fit["loss"]], marker="x", color=colour, markersize=8,
+                            linestyle="none")
+        ax.plot([best["parameters"]], [best["mean"]], marker="*", markersize=16, color="gold",
+                markeredgecolor="black", linestyle="none", zorder=5)
+        ax.set_xscale("log")
+        ticks = sorted({p["parameters"] for c in shown.values() for p in c["points"] if c["dense"]}
+                       or {p["parameters"] for c in shown.values() for p in c["points"]})
+        ax.set_xticks(ticks, [f"{n / 1000:.0f}k" if n < 10**6 else f"{n / 10**6:.1f}M" for n in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("parameters")
+        ax.set_title(f"{analysis[label]['budget']:.3g} training FLOPs", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("validation loss, causal routing (nats/token)")
+    handles = [plt.Line2D([], [], color=style[v][0], marker=style[v][1], linestyle="-" if v in dense else "--",
+                          label=v if v not in off_scale else f"{v} (off the scale: lowest {off_scale[v]:.3f})")
+               for v in variants]
     handles += [plt.Line2D([], [], marker="*", color="gold", markeredgecolor="black", markersize=12, linestyle="none",
-                           label="best of the budget"),
+                           label="lowest of the budget"),
                 plt.Line2D([], [], marker="o", color="white", markeredgecolor="black", markersize=8, linestyle="none",
-                           label="lowest of its curve")]
-    ax.legend(handles=handles, fontsize=8, loc="best")
+                           label="lowest of its curve"),
+                plt.Line2D([], [], color="gray", linestyle=":", marker="x", label="parabola in log N, its minimum")]
+    axes[0][-1].legend(handles=handles, fontsize=7, loc="best")
+    fig.suptitle("isoFLOP curves (bars: lowest to highest seed)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return str(path)
-
-
-def _is_dense(runs: list[dict[str, Any]], variant: str) -> bool:
-    return any(r["dense"] for r in runs if r["variant"] == variant)
 
 
 def relative_latency(runs: list[dict[str, Any]], quantity: str) -> tuple[dict[str, float], str | None]:

@@ -14,10 +14,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from modcli.config import DataConfig, ModelConfig, RunConfig, TrainConfig, require
 from modcli.errors import UserError
 
 GRID_KEYS = ("preset", "budgets", "common", "size", "variant", "eval", "profile")
+RESTRICTIONS = ("budgets", "sizes")
+"""Keys of a [[size]] or [[variant]] table that are not flags: the budgets (and, for a variant, the size labels) it
+runs at, a subset of the grid's; absent, it runs at all of them."""
 SWEEP_SETS = ("out", "resume", "flops_budget", "max_steps", "init_from")
 """Flags the sweep sets per point (the run folder and the budget); a grid may not set them."""
 FLAG_KEYS = frozenset({f.name for cls in (ModelConfig, DataConfig, TrainConfig) for f in fields(cls)} | {"dense"})
@@ -25,6 +30,8 @@ IGNORED_WHEN_COMPARING = ("out", "resume", "device", "log_every", "keep")
 """Train fields that do not change what a run computes: a run folder made with other values is still this point."""
 RESULTS = "results.jsonl"
 RUNS = "runs"
+LOCKS = ".locks"
+"""Per point a lock file, held by the `modcli sweep` process running it (the OS releases it if that one dies)."""
 
 
 @dataclass
@@ -61,6 +68,23 @@ class ProfileSettings:
 
 
 @dataclass
+class Entry:
+    """One [[size]] or one variant (after expanding list values) of a grid."""
+
+    name: str | None
+    flags: dict[str, Any]
+    budgets: list[float] | None = None
+    """Runs only at these budgets (None: at every budget of the grid)."""
+    sizes: list[str] | None = None
+    """A variant: runs only at these size labels (None: at every size)."""
+    seeded: bool = False
+    """Its seed came from a list (`seed = [1, 2]`): the run name ends in `_s<seed>` and the seeds of one
+    budget x size x variant are repeats of one point."""
+    repeat: int = 0
+    """Its seed's place in that list (0: the first seed); within a budget, repeat 0 of every point trains first."""
+
+
+@dataclass
 class Grid:
     """A parsed grid file (see the module docstring)."""
 
@@ -68,10 +92,10 @@ class Grid:
     preset: str | None
     budgets: list[float]
     common: dict[str, Any]
-    sizes: list[tuple[str | None, dict[str, Any]]]
-    """(name or None, flags) per [[size]]."""
-    variants: list[tuple[str | None, dict[str, Any]]]
-    """(name or None, flags) per variant after expanding list values."""
+    sizes: list[Entry]
+    """One per [[size]]."""
+    variants: list[Entry]
+    """One per variant after expanding list values (seed lists included)."""
     eval: EvalSettings
     profile: ProfileSettings
 
@@ -84,6 +108,7 @@ class GridPoint:
     budget: float
     size: str
     variant: str
+    """The variant's label without its seed: the seeds of one budget x size x variant are repeats of one point."""
     config: RunConfig
     steps: int
     """Optimiser steps the budget pays for (the last one may overshoot it, as in `modcli train --flops-budget`)."""
@@ -107,6 +132,9 @@ class SweepConfig:
     """Overrides the grid's autocast dtype."""
     dry_run: bool = False
     """Validate and list the points; train nothing."""
+    report_only: bool = False
+    """Train nothing: summarise, analyse and plot what the folder's results.jsonl holds (a sweep still running in
+    another process, or stopped part-way); unfinished points are listed without a loss."""
     verbose: bool = False
     """Show each run's training progress lines."""
     plots: bool = True
@@ -129,6 +157,12 @@ class SweepResult:
     plots: dict[str, str]
     wall_time_s: float
     dry_run: bool = False
+    analysis: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The isoFLOP analysis (`modcli.sweep.analysis.isoflop_analysis`): per budget, each curve's minimum, fit and
+    seed spread."""
+    elsewhere: list[str] = dataclasses.field(default_factory=list)
+    """Runs another sweep process on the same folder held while this one passed them (not in `runs`' results)."""
+    report_only: bool = False
 
 
 def load_grid(path: str | Path) -> Grid:
@@ -153,17 +187,34 @@ def load_grid(path: str | Path) -> Grid:
         require(isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0,
                 f"{p}: every budget must be a positive number of training FLOPs, got {budget!r}")
     require(len(set(budgets)) == len(budgets), f"{p}: budgets repeat a value: {budgets}")
-    common = _flags(raw.get("common", {}), f"{p}: [common]")
-    sizes = [_named(entry, f"{p}: [[size]] {i + 1}") for i, entry in enumerate(_tables(raw.get("size", [{}]), p, "size"))]
+    common_table = dict(raw.get("common", {})) if isinstance(raw.get("common", {}), dict) else raw.get("common")
+    common_seeds = common_table.pop("seed") if isinstance(common_table, dict) and isinstance(
+        common_table.get("seed"), list) else None
+    common = _flags(common_table, f"{p}: [common]")
+    if common_seeds is not None:
+        _check_seeds(common_seeds, f"{p}: [common]")
+    grid_budgets = [float(b) for b in budgets]
+    sizes = []
+    for i, table in enumerate(_tables(raw.get("size", [{}]), p, "size")):
+        where = f"{p}: [[size]] {i + 1}"
+        name, flags, only_budgets, only_sizes = _named(table, where, grid_budgets)
+        require(only_sizes is None, f"{where}: 'sizes' belongs in a [[variant]] (the sizes it runs at)")
+        require("seed" not in flags, f"{where}: seed belongs in [common] or a [[variant]]")
+        sizes.append(Entry(name, flags, only_budgets))
     variants = []
-    for i, entry in enumerate(_tables(raw.get("variant", [{}]), p, "variant")):
-        name, flags = _named(entry, f"{p}: [[variant]] {i + 1}")
+    for i, table in enumerate(_tables(raw.get("variant", [{}]), p, "variant")):
+        where = f"{p}: [[variant]] {i + 1}"
+        name, flags, only_budgets, only_sizes = _named(table, where, grid_budgets)
+        if "seed" not in flags and common_seeds is not None:
+            flags["seed"] = common_seeds
+        seeded = isinstance(flags.get("seed"), list)
         expanded = _expand(flags)
-        if name is not None and len(expanded) > 1:
+        if name is not None and len(expanded) > len(flags["seed"] if seeded else [None]):
             raise UserError(f"{p}: [[variant]] {i + 1} ({name!r}) expands into {len(expanded)} variants (a list value); "
                             "drop its name so that each gets its own")
-        variants.extend((name, one) for one in expanded)
-    return Grid(str(p), preset, [float(b) for b in budgets], common, sizes, variants,
+        variants.extend(Entry(name, one, only_budgets, only_sizes, seeded,
+                              flags["seed"].index(one["seed"]) if seeded else 0) for one in expanded)
+    return Grid(str(p), preset, grid_budgets, common, sizes, variants,
                 _settings(EvalSettings, raw.get("eval", {}), f"{p}: [eval]"),
                 _settings(ProfileSettings, raw.get("profile", {}), f"{p}: [profile]"))
 
@@ -188,12 +239,37 @@ def _flags(table: Any, where: str) -> dict[str, Any]:
     return flags
 
 
-def _named(entry: dict[str, Any], where: str) -> tuple[str | None, dict[str, Any]]:
+def _named(entry: dict[str, Any], where: str, grid_budgets: list[float]
+           ) -> tuple[str | None, dict[str, Any], list[float] | None, list[str] | None]:
+    """A [[size]] or [[variant]] table -> (name, flags, its budgets or None, its size labels or None)."""
     entry = dict(entry)
     name = entry.pop("name", None)
     require(name is None or (isinstance(name, str) and name and "/" not in name and name.strip() == name),
             f"{where}: name must be a non-empty string without '/', got {name!r}")
-    return name, _flags(entry, where)
+    only_budgets = entry.pop("budgets", None)
+    if only_budgets is not None:
+        require(isinstance(only_budgets, list) and len(only_budgets) > 0 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) for b in only_budgets),
+            f"{where}: budgets must be a non-empty list of the grid's budgets, got {only_budgets!r}")
+        missing = [b for b in only_budgets if float(b) not in grid_budgets]
+        require(not missing, f"{where}: budgets [{', '.join(map(budget_label, missing))}] are not among the grid's "
+                f"budgets [{', '.join(map(budget_label, grid_budgets))}]")
+        only_budgets = [float(b) for b in only_budgets]
+    only_sizes = entry.pop("sizes", None)
+    if only_sizes is not None:
+        require(isinstance(only_sizes, list) and len(only_sizes) > 0 and all(isinstance(n, str) for n in only_sizes),
+                f"{where}: sizes must be a non-empty list of size labels (e.g. \"d32-L4\" or a size's name), "
+                f"got {only_sizes!r}")
+    flags = _flags(entry, where)
+    if isinstance(flags.get("seed"), list):
+        _check_seeds(flags["seed"], where)
+    return name, flags, only_budgets, only_sizes
+
+
+def _check_seeds(seeds: list[Any], where: str) -> None:
+    require(len(seeds) > 0 and all(isinstance(v, int) and not isinstance(v, bool) for v in seeds)
+            and len(set(seeds)) == len(seeds),
+            f"{where}: seed must be an integer or a list of distinct integers, got {seeds!r}")
 
 
 def _expand(flags: dict[str, Any]) -> list[dict[str, Any]]:
@@ -231,11 +307,12 @@ SHORT = {"capacity": "c", "route_every": "every", "route_offset": "offset", "rou
 
 
 def variant_label(name: str | None, flags: dict[str, Any], config: RunConfig) -> str:
+    """The variant's name, or its router (or dense) and its other flags; never its seed."""
     if name:
         return name
     parts = ["dense" if config.model.dense else config.model.router]
     for key, value in flags.items():
-        if key in ("router", "dense"):
+        if key in ("router", "dense", "seed"):
             continue
         text = ",".join(map(str, value)) if isinstance(value, list) else f"{value:g}" if isinstance(value, float) \
             else str(value)
@@ -285,6 +362,15 @@ def write_results(out: Path, results: dict[str, dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def update_results(out: Path, record: dict[str, Any]) -> None:
+    """Put one run's record into results.jsonl as it is on disk now, under a lock: several `modcli sweep` processes
+    on one folder share the grid's points (each takes the points no other holds) and every record survives."""
+    with FileLock(out / f".{RESULTS}.lock"):
+        results = read_results(out)
+        results[record["name"]] = record
+        write_results(out, results)
+
+
 def is_done(record: dict[str, Any] | None, point: GridPoint, profile: bool) -> bool:
     if record is None or comparable(record.get("config", {})) != comparable(point.config.to_dict()):
         return False
@@ -295,7 +381,8 @@ def planned_record(point: GridPoint) -> dict[str, Any]:
     mc = point.config.model
     return {"name": point.name, "budget": point.budget, "size": point.size, "variant": point.variant,
             "run_dir": point.config.train.out, "dense": mc.dense, "router": None if mc.dense else mc.router,
-            "capacity": None if mc.dense else mc.capacity, "d_model": mc.d_model, "n_layers": mc.n_layers,
+            "capacity": None if mc.dense else mc.capacity, "route_every": None if mc.dense else mc.route_every,
+            "seed": point.config.train.seed, "d_model": mc.d_model, "n_layers": mc.n_layers,
             "seq_len": mc.seq_len, "parameters": point.parameters, "planned_steps": point.steps,
             "step_flops": point.step_flops, "config": point.config.to_dict()}
 
@@ -360,6 +447,34 @@ def best_per_budget(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
+def analysis_lines(analysis: dict[str, dict[str, Any]]) -> list[str]:
+    """The isoFLOP analysis (modcli.sweep.analysis) in words, one line per curve (what `modcli sweep` prints after
+    its table)."""
+    lines = []
+    for label, entry in analysis.items():
+        for variant, curve in entry["curves"].items():
+            low = curve["minimum"]
+            seeds = (f"{len(low['losses'])} seeds, spread {low['spread']:.4f}" if low["spread"] is not None
+                     else "one seed")
+            text = (f"budget {label} {variant}: lowest {low['mean']:.4f} at {low['size']} ({low['parameters']:,} "
+                    f"parameters; {seeds}); bracketed: {'yes' if curve['bracketed'] else 'no'}")
+            fit = curve["fit"]
+            if fit is None:
+                text += "; too few sizes for a fit"
+            elif fit["parameters"] is None:
+                text += "; parabola in log N opens downwards (no minimum)"
+            else:
+                text += (f"; parabola in log N minimum {fit['loss']:.4f} at {fit['parameters']:,.0f} parameters"
+                         f"{'' if fit['inside'] else ' (outside the sizes fitted)'}")
+            versus = entry["versus_dense"].get(variant)
+            if versus is not None:
+                text += (f"; vs dense {versus['difference']:+.4f} ({versus['verdict']}), at "
+                         f"{versus['parameters_ratio']:.2f}x its parameters and {versus['step_flops_ratio']:.2f}x its "
+                         "FLOPs per step")
+            lines.append(text)
+    return lines
+
+
 def summary_rows(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
     """The summary table: one row per run, the best causal loss of each budget marked with *."""
     winners = {entry["overall"]["name"] for entry in best.values() if "overall" in entry}
@@ -369,6 +484,7 @@ def summary_rows(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]]) ->
         reference = f"{r['reference_mode']} {r['reference_loss']:.4f}" if r.get("reference_loss") is not None else "-"
         rows.append({
             "budget": budget_label(r["budget"]), "size": r["size"], "variant": r["variant"],
+            "seed": str(r.get("seed", "-")),
             "parameters": f"{r['parameters']:,}", "steps": str(r.get("steps", r.get("planned_steps"))),
             "causal val loss": (f"{r['causal_loss']:.4f}{' *' if r['name'] in winners else ''} ({r['causal_mode']})"
                                 if r.get("causal_loss") is not None else "diverged" if r.get("diverged") else "-"),

@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from modcli.checkpoint.store import complete_checkpoints, read_state
 from modcli.config import RunConfig, resolve_run_config
 from modcli.data.corpus import load_corpus
@@ -58,8 +60,11 @@ from modcli.models.build import build_model
 from modcli.profiling.profile import ProfileConfig, profile
 from modcli.reports.console import stderr_console
 from modcli.reports.plots import frontier_plot, isoflop_plot
+from modcli.sweep.analysis import isoflop_analysis
 from modcli.sweep.grid import (
     ETA,
+    LOCKS,
+    RESULTS,
     RUNS,
     EvalSettings,
     Grid,
@@ -77,28 +82,40 @@ from modcli.sweep.grid import (
     planned_record,
     read_results,
     size_label,
+    update_results,
     variant_label,
-    write_results,
 )
 from modcli.training.loop import train
 from modcli.training.schedule import step_flops
 
 
 def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = None) -> list[GridPoint]:
-    """Every budget x size x variant as a validated point; a UserError names the first impossible one."""
+    """Every budget x size x variant (as far as a size's or variant's budgets and sizes allow) as a validated point, in
+    the order they train; a UserError names the first impossible one."""
 
     overrides = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
     points: list[GridPoint] = []
     parameters: dict[str, int] = {}
+    # Within a budget, the first seed of every point before any second seed: an interrupted budget has whole curves.
+    order = sorted(itertools.product(grid.sizes, grid.variants), key=lambda pair: pair[1].repeat)
     for budget in grid.budgets:
-        for (size_name, size), (variant_name, variant) in itertools.product(grid.sizes, grid.variants):
-            where = f"{grid.path}: budget {budget:g}, size {size_name or size}, variant {variant_name or variant}"
-            flags = {**grid.common, **size, **variant, **overrides, "flops_budget": budget}
+        for size, variant in order:
+            if any(entry.budgets is not None and budget not in entry.budgets for entry in (size, variant)):
+                continue
+            where = (f"{grid.path}: budget {budget:g}, size {size.name or size.flags}, "
+                     f"variant {variant.name or variant.flags}")
+            flags = {**grid.common, **size.flags, **variant.flags, **overrides, "flops_budget": budget}
             try:
                 config = resolve_run_config(grid.preset, None, flags)
             except UserError as exc:
                 raise UserError(f"{where}: {exc}") from None
-            name = f"{budget_label(budget)}_{size_label(size_name, config)}_{variant_label(variant_name, variant, config)}"
+            size_text = size_label(size.name, config)
+            if variant.sizes is not None and size_text not in variant.sizes:
+                continue
+            variant_text = variant_label(variant.name, variant.flags, config)
+            name = f"{budget_label(budget)}_{size_text}_{variant_text}"
+            if variant.seeded:
+                name += f"_s{config.train.seed}"
             config.train.out = str(out / RUNS / name)
             per_step = step_flops(config)
             if budget < per_step:
@@ -108,9 +125,15 @@ def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = N
             shape = json.dumps(dataclasses.asdict(config.model), sort_keys=True)
             if shape not in parameters:
                 parameters[shape] = build_model(config.model).num_parameters()
-            points.append(GridPoint(name, budget, size_label(size_name, config),
-                                    variant_label(variant_name, variant, config), config,
-                                    math.ceil(budget / per_step), per_step, parameters[shape]))
+            points.append(GridPoint(name, budget, size_text, variant_text, config, math.ceil(budget / per_step),
+                                    per_step, parameters[shape]))
+    labels = {size_label(s.name, resolve_run_config(grid.preset, None, {**grid.common, **s.flags, **overrides}))
+              for s in grid.sizes}
+    for variant in grid.variants:
+        unknown = sorted(set(variant.sizes or []) - labels)
+        if unknown:
+            raise UserError(f"{grid.path}: a [[variant]] names sizes {unknown} that the grid does not have "
+                            f"(its sizes: {', '.join(sorted(labels))})")
     names = [p.name for p in points]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -245,51 +268,83 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
         return SweepResult(str(out), grid.path, len(points), [], [], runs, {}, {}, time.perf_counter() - started,
                            dry_run=True)
 
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grid.toml").write_text(Path(config.grid).read_text())
     results = read_results(out)
-    todo = [p for p in points if not is_done(results.get(p.name), p, config.profile)]
-    skipped = [p.name for p in points if p not in todo]
+    if config.report_only:
+        if not results:
+            raise UserError(f"{out / RESULTS} holds no run yet: nothing to report")
+        todo: list[GridPoint] = []
+    else:
+        (out / LOCKS).mkdir(parents=True, exist_ok=True)
+        (out / "grid.toml").write_text(Path(config.grid).read_text())
+        todo = [p for p in points if not is_done(results.get(p.name), p, config.profile)]
+    skipped = [p.name for p in points if is_done(results.get(p.name), p, config.profile)]
     log(f"sweep of {len(points)} runs ({len(grid.budgets)} budgets x {len(grid.sizes)} sizes x {len(grid.variants)} "
-        f"variants) in {out}: {len(skipped)} already done, {len(todo)} to do")
+        f"variants, restrictions applied) in {out}: {len(skipped)} already done, {len(todo)} to do")
     trained: list[str] = []
+    elsewhere: list[str] = []
     eta = ETA(todo)
+    already = len(skipped)
     for done, point in enumerate(todo):
-        log(f"[{len(skipped) + done + 1}/{len(points)}] {point.name}: {point.parameters:,} parameters, budget "
-            f"{point.budget:.3g} FLOPs = {point.steps} steps{eta.text()}")
-        record = results.get(point.name)
-        train_s = 0.0
-        if record is None or comparable(record.get("config", {})) != comparable(point.config.to_dict()):
-            point_started = time.perf_counter()
-            if _needs_training(point):
-                trained.append(point.name)
-            try:
-                record = {**planned_record(point), **train_point(point, config.verbose)}
-            except TrainingDiverged as exc:  # a result of the grid (e.g. a learning rate too high for a size)
-                record = {**planned_record(point), "diverged": str(exc), "causal_loss": None, "latency": None}
-            train_s = time.perf_counter() - point_started
-            if not record.get("diverged"):
-                record.update(evaluate_point(point, grid.eval))
-                record["eval_wall_s"] = time.perf_counter() - point_started - train_s
-                record["latency"] = None
-        if config.profile and record.get("latency") is None and not record.get("diverged"):
-            record["latency"] = profile_point(point, grid.profile)
-        results[point.name] = record
-        write_results(out, results)
+        claim = FileLock(out / LOCKS / f"{point.name}.lock")
+        try:
+            claim.acquire(timeout=0)
+        except Timeout:  # another `modcli sweep` on this folder is running this point right now
+            elsewhere.append(point.name)
+            eta.finished(point, 0.0, 0.0)
+            log(f"[{already + done + 1}/{len(points)}] {point.name}: another sweep process is running it; passed")
+            continue
+        try:
+            record = read_results(out).get(point.name)
+            if is_done(record, point, config.profile):  # finished by another process since this one started
+                skipped.append(point.name)
+                eta.finished(point, 0.0, 0.0)
+                continue
+            log(f"[{already + done + 1}/{len(points)}] {point.name}: {point.parameters:,} parameters, budget "
+                f"{point.budget:.3g} FLOPs = {point.steps} steps{eta.text()}")
+            record, train_s = _run_point(point, record, grid, config, trained)
+            update_results(out, record)
+        finally:
+            claim.release()
         eta.finished(point, train_s, record.get("flops", 0.0))
         log(f"    {one_line(record)}")
 
-    runs = [results[p.name] for p in points]
+    results = read_results(out)
+    runs = [results.get(p.name) or planned_record(p) for p in points]
     best = best_per_budget(runs)
+    analysis = isoflop_analysis(runs)
     plots: dict[str, str] = {}
     if config.plots:
 
-        plots["isoflop"] = isoflop_plot(runs, best, out / "isoflop.png")
+        if analysis:
+            plots["isoflop"] = isoflop_plot(analysis, out / "isoflop.png")
         if any(r.get("latency") for r in runs):
             plots["frontier"] = frontier_plot(runs, out / "frontier.png")
         log(f"wrote {', '.join(plots.values())}")
     return SweepResult(str(out), grid.path, len(points), trained, skipped, runs, best, plots,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, analysis=analysis, elsewhere=elsewhere,
+                       report_only=config.report_only)
+
+
+def _run_point(point: GridPoint, record: dict[str, Any] | None, grid: Grid, config: SweepConfig,
+               trained: list[str]) -> tuple[dict[str, Any], float]:
+    """Train (or resume), evaluate and profile one point as far as its record lacks; (its record, training s)."""
+    train_s = 0.0
+    if record is None or comparable(record.get("config", {})) != comparable(point.config.to_dict()):
+        point_started = time.perf_counter()
+        if _needs_training(point):
+            trained.append(point.name)
+        try:
+            record = {**planned_record(point), **train_point(point, config.verbose)}
+        except TrainingDiverged as exc:  # a result of the grid (e.g. a learning rate too high for a size)
+            record = {**planned_record(point), "diverged": str(exc), "causal_loss": None, "latency": None}
+        train_s = time.perf_counter() - point_started
+        if not record.get("diverged"):
+            record.update(evaluate_point(point, grid.eval))
+            record["eval_wall_s"] = time.perf_counter() - point_started - train_s
+            record["latency"] = None
+    if config.profile and record.get("latency") is None and not record.get("diverged"):
+        record["latency"] = profile_point(point, grid.profile)
+    return record, train_s
 
 
 def _needs_training(point: GridPoint) -> bool:
