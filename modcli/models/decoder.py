@@ -103,8 +103,11 @@ class Attention(nn.Module):
 
         With `prefill = (cache, rows, counts)` their K/V are also written to the cache. With a `received` dict, the
         attention probabilities are computed explicitly (no fused kernel) and `received["scores"]` is set to the
-        attention each token receives (B, n): summed over the queries that can see it, divided by their number
-        (n - j for token j, so early tokens are not favoured), averaged over heads; no gradient (A-MoD's score).
+        attention each token receives (B, n), position-neutral: query i's row is divided by its uniform share
+        1 / (i + 1) (it sees i + 1 tokens), then averaged over the n - j queries that see token j and over heads; no
+        gradient (A-MoD's score). Under uniform attention every token scores exactly 1. A raw sum favours early
+        tokens (seen by more queries), and dividing the raw sum by n - j still does (an early key takes its share
+        of few-key rows, whose weights are large), the bias docs/families.md measured.
         """
         batch, n, d_model = x.shape
         q, k, v = self._heads(x, cos, sin)
@@ -119,8 +122,10 @@ class Attention(nn.Module):
             scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, n, n)
             causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()  # (n, n) query >= key
             probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, H, n, n)
-            seen_by = n - torch.arange(n, device=x.device)  # (n,) queries that can see each token
-            received["scores"] = (probs.detach().sum(dim=2).mean(dim=1) / seen_by)  # (B, n)
+            position = torch.arange(n, device=x.device)  # (n,)
+            relative = probs.detach() * (position + 1)[:, None]  # (B, H, n, n) each query row over its uniform share
+            seen_by = n - position  # (n,) queries that can see each token
+            received["scores"] = relative.sum(dim=2).mean(dim=1) / seen_by  # (B, n)
             out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
         return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
 
@@ -154,7 +159,7 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
-                           config.expert_capacity_factor, config.noop_experts_of(layer))
+                           config.expert_capacity_factor, config.noop_experts_of(layer), config.expert_weight)
                     if config.experts else SwiGLU(config))
         self.delta_dropout = nn.Dropout(config.dropout)
         self.routed = config.is_routed(layer)

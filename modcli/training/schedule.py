@@ -22,21 +22,28 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; weight decay on the blocks' matrices only (not norms, biases or the
-    embedding). Router parameters (the routers and their predictors) learn at --router-lr-scale x the learning rate
-    (`lr_scale` of their groups)."""
+    """AdamW over the trainable parameters; weight decay on the blocks' matrices, the MoE experts' stacked (E, D, H)
+    weights included (not norms, biases or the embedding). Router parameters (MoD and MoR routers, their
+    predictors, the MoE gates) learn at --router-lr-scale x the learning rate (`lr_scale` of their groups)."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decays = param.ndim == 2 and "embed" not in name
-        separate = config.router_lr_scale != 1.0 and ".router." in name  # default: the same two groups as ever
+        decays = param.ndim >= 2 and "embed" not in name
+        separate = config.router_lr_scale != 1.0 and is_router_parameter(name)  # default: two groups, as ever
         groups.setdefault((decays, separate), []).append(param)
     return torch.optim.AdamW(
         [{"params": params, "weight_decay": config.weight_decay if decays else 0.0,
           "lr_scale": config.router_lr_scale if is_router else 1.0}
          for (decays, is_router), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
         lr=config.lr, betas=(0.9, 0.95), **_fused_if_possible([p for params in groups.values() for p in params]))
+
+
+def is_router_parameter(name: str) -> bool:
+    """A routing parameter, by its name in the decoder (a DDP / compile wrapper's prefix allowed): an MoD block's
+    router and predictor (`blocks.1.router.`), an MoR step's (`routers.0.`), an MoE gate (`blocks.0.mlp.gate.`)."""
+    dotted = f".{name}"
+    return ".router." in dotted or ".routers." in dotted or ".mlp.gate." in dotted
 
 
 def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:
@@ -60,7 +67,7 @@ def capacity_at(step: int, model_config: ModelConfig, config: TrainConfig) -> fl
 def step_flops(config: RunConfig, world_size: int = 1) -> int:
     """Training FLOPs of one optimiser step over the global batch."""
     tc = config.train
-    return training_flops(config.model, config.model.seq_len) * tc.batch_size * tc.grad_accum * world_size
+    return training_flops(config.model, config.model.seq_len, tc.batch_size) * tc.grad_accum * world_size
 
 
 def total_steps(config: RunConfig, world_size: int = 1) -> int:

@@ -39,9 +39,9 @@ def family_model(name: str, **overrides) -> MoDDecoder:
     return model
 
 
-def _moe(experts=4, top_k=1, capacity_factor=1.25, noop=0, d_model=16, hidden=24) -> MoEMLP:
+def _moe(experts=4, top_k=1, capacity_factor=1.25, noop=0, d_model=16, hidden=24, weight="unit") -> MoEMLP:
     torch.manual_seed(0)
-    moe = MoEMLP(d_model, hidden, experts, top_k, capacity_factor, noop)
+    moe = MoEMLP(d_model, hidden, experts, top_k, capacity_factor, noop, weight)
     with torch.no_grad():
         moe.down.normal_(std=0.1)
         moe.gate.weight.normal_(std=1.0)
@@ -73,16 +73,30 @@ def test_static_and_exact_dispatch_agree_when_no_choice_is_dropped(top_k, noop):
     torch.testing.assert_close(static, moe(x), atol=ATOL, rtol=0)
 
 
-def test_the_update_is_the_gate_probability_times_the_chosen_experts():
-    moe = _moe(top_k=2, noop=1).eval()
+@pytest.mark.parametrize("weight", ["unit", "probability"])
+def test_the_update_is_the_chosen_experts_at_their_weight(weight):
+    """--expert-weight probability: p_e x expert_e(x); unit: expert_e(x) itself (value 1)."""
+    moe = _moe(top_k=2, noop=1, weight=weight).eval()
     x = torch.randn(1, 5, 16)
     probs = moe.gate(x).softmax(-1)[0]  # (5, 5)
     expected = torch.zeros(5, 16)
     for t in range(5):
         for e in probs[t].topk(2).indices.tolist():
             if e < moe.experts:  # a no-op expert adds nothing
-                expected[t] += probs[t, e] * moe.expert(e, x[0, t])
+                expected[t] += (probs[t, e] if weight == "probability" else 1.0) * moe.expert(e, x[0, t])
     torch.testing.assert_close(moe(x)[0], expected, atol=ATOL, rtol=0)
+
+
+def test_the_unit_weight_passes_the_gradient_of_log_p_to_the_gate():
+    """Value 1, yet the gate learns: d out / d logits equals that of p / p.detach() written out by hand."""
+    unit, raw = _moe(capacity_factor=4.0, weight="unit").train(), _moe(capacity_factor=4.0, weight="probability").train()
+    x = torch.randn(2, 6, 16)
+    unit(x).sum().backward()
+    probs, choice, weight = raw.route(x)
+    by_hand = raw._static_dispatch(x, choice, weight / weight.detach(), 12)[0]  # (B, n, D), room for every token
+    by_hand.sum().backward()
+    assert unit.gate.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(unit.gate.weight.grad, raw.gate.weight.grad, atol=ATOL, rtol=1e-4)
 
 
 def test_noop_experts_never_compute():
@@ -96,8 +110,8 @@ def test_noop_experts_never_compute():
     for training in (False, True):
         moe.train(training)
         counted = sum(counted_flops(lambda: moe(x)).values())
-        if training:  # static shapes: each real expert's C slots per sequence, whoever fills them; none for no-ops
-            assert counted == gate_flops + 2 * moe.experts * expert_capacity(10, 1, moe.pool, 1.25) * expert_flops
+        if training:  # static shapes: each real expert's C slots over the batch, whoever fills them; none for no-ops
+            assert counted == gate_flops + moe.experts * expert_capacity(20, 1, moe.pool, 1.25) * expert_flops
         else:  # evaluation: no expert runs at all
             assert counted == gate_flops
         assert torch.equal(moe(x), torch.zeros_like(x))
