@@ -135,6 +135,37 @@ def test_load_balancing_loss_matches_an_independent_computation():
     assert load_balancing_loss(uniform, torch.arange(8).remainder(4)[:, None]).item() == pytest.approx(1.0)
 
 
+def test_capacity_counts_the_whole_batch():
+    """Row 0's tokens all choose expert 0, row 1's expert 1: a per-sequence capacity of factor 1 (n / 2 slots per
+    expert and row) would drop half the choices; over the batch (n slots per expert) none is dropped, and the
+    static dispatch equals the exact one."""
+    moe = _moe(experts=2, top_k=1, capacity_factor=1.0).train()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[0, 0], moe.gate.weight[1, 0] = 1.0, -1.0
+    x = torch.randn(2, 8, 16)
+    x[0, :, 0], x[1, :, 0] = 3.0, -3.0
+    assert expert_capacity(2 * 8, 1, 2, 1.0) == 8
+    static = moe(x)
+    assert moe.stats.dropped.item() == 0
+    moe.eval()
+    torch.testing.assert_close(static, moe(x), atol=ATOL, rtol=0)
+
+
+def test_capacity_serves_positions_in_order_across_the_batch():
+    """When one expert overflows, the earliest positions of every row are served first (not row 0 entirely)."""
+    moe = _moe(experts=2, top_k=1, capacity_factor=0.5).train()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[0, 0] = 1.0  # every token chooses expert 0
+    x = torch.randn(2, 8, 16)
+    x[..., 0] = 3.0
+    assert expert_capacity(16, 1, 2, 0.5) == 4
+    processed = (moe(x).abs().sum(-1) > 0).tolist()
+    assert processed == [[True, True] + [False] * 6] * 2
+    assert moe.stats.dropped.item() == pytest.approx(12 / 16)
+
+
 def test_capacity_keeps_first_choices_first_then_earlier_positions():
     moe = _moe(experts=2, top_k=1, capacity_factor=0.5).train()
     with torch.no_grad():
@@ -204,7 +235,57 @@ def test_training_logs_expert_statistics_and_the_balancing_loss(tmp_path, corpus
     assert set(logged) == {"block0", "block1", "block2", "block3"}
     assert logged["block0"]["noop"] == 0 and 0 <= logged["block1"]["noop"] <= 1
     assert 0 <= logged["block1"]["dropped"] <= 1 and len(logged["block1"]["load"]) == 6
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 6 and all(0 <= r["expert_dropped"] <= 1 for r in steps)  # every step, not every --log-every
+    shares = [r["expert_dropped"] for r in steps]
+    assert result.expert_dropped_mean == pytest.approx(sum(shares) / 6)
+    assert result.expert_dropped_max == pytest.approx(max(shares))
     assert result.val_loss > 0
+
+
+def test_balancing_loss_is_summed_over_blocks_or_averaged_as_before():
+    from modcli.config import TrainConfig
+    from modcli.training.objective import training_loss
+
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config(**FAMILIES["moe"])).train()
+    tokens = torch.randint(0, 256, (2, 16))
+    per_block = None
+    for summed in (True, False):
+        torch.manual_seed(1)
+        objective = training_loss(model, tokens, tokens, TrainConfig(expert_aux_sum=summed))
+        term = next(t for t in objective.terms if t.name == "expert_aux_loss")
+        per_block = torch.stack([stats.aux_loss for stats in objective.aux.experts.values()])
+        assert len(per_block) == 4 and term.weight == 0.01
+        expected = per_block.sum() if summed else per_block.mean()
+        torch.testing.assert_close(term.value, expected)
+
+
+def test_expert_tensors_decay_and_the_gate_learns_at_the_router_lr_scale():
+    from modcli.config import TrainConfig
+    from modcli.training.schedule import make_optimizer
+
+    model = MoDDecoder(tiny_model_config(**FAMILIES["staged"]))
+    optimizer = make_optimizer(model, TrainConfig(router_lr_scale=0.5, weight_decay=0.1))
+    names = {id(p): name for name, p in model.named_parameters()}
+    group_of = {names[id(p)]: group for group in optimizer.param_groups for p in group["params"]}
+    assert group_of["blocks.0.mlp.gate_up"]["weight_decay"] == 0.1 and group_of["blocks.0.mlp.down"]["weight_decay"] == 0.1
+    assert group_of["blocks.0.mlp.gate_up"]["lr_scale"] == 1.0
+    assert group_of["blocks.0.mlp.gate.weight"]["lr_scale"] == 0.5
+    assert group_of["blocks.1.router.score.weight"]["lr_scale"] == 0.5
+    assert group_of["blocks.0.attn_norm.weight"]["weight_decay"] == 0.0
+
+
+def test_a_config_saved_before_expert_weight_loads_with_the_probability_weight():
+    saved = RunConfig(model=tiny_model_config(**FAMILIES["moe"])).to_dict()
+    del saved["model"]["expert_weight"], saved["train"]["expert_aux_sum"]
+    old = RunConfig.read_saved(saved)
+    assert old.model.expert_weight == "probability" and old.train.expert_aux_sum is False
+    new = RunConfig.from_dict(saved)
+    assert new.model.expert_weight == "unit" and new.train.expert_aux_sum is True
+    dense = RunConfig(model=tiny_model_config()).to_dict()
+    del dense["model"]["expert_weight"]
+    assert RunConfig.read_saved(dense).model.expert_weight == "unit"  # no experts: nothing to keep
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,46 @@
+"""A-MoD's score (the attention a token received in the block before) is position-neutral in a causal decoder:
+uniform attention scores every position alike, and the score is each query row over its uniform share 1 / (i + 1),
+averaged over the queries that see the token and over heads."""
+
+from __future__ import annotations
+
+import torch
+
+from modcli.models.decoder import Attention, config_rope
+from tests.conftest import tiny_model_config
+
+ATOL = 1e-5
+
+
+def attention_and_rope(n: int):
+    config = tiny_model_config(d_model=32, n_heads=4, seq_len=n)
+    torch.manual_seed(0)
+    return Attention(config), config_rope(config, torch.arange(n))
+
+
+@torch.no_grad()
+def test_uniform_attention_scores_every_position_equally():
+    n = 64
+    attention, (cos, sin) = attention_and_rope(n)
+    attention.qkv.weight[: attention.sizes[0]] = 0.0  # q = 0: every query attends uniformly to the tokens it sees
+    received = {}
+    attention(torch.randn(2, n, 32), cos[None], sin[None], received=received)
+    scores = received["scores"]  # (B, n)
+    torch.testing.assert_close(scores, torch.ones(2, n), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_the_score_is_each_row_over_its_uniform_share_averaged_over_the_queries_that_see_the_token():
+    n = 12
+    attention, (cos, sin) = attention_and_rope(n)
+    x = torch.randn(1, n, 32)
+    received = {}
+    attention(x, cos[None], sin[None], received=received)
+    q, k, _ = attention._heads(x, cos[None], sin[None])
+    probs = (q @ k.transpose(-1, -2) / attention.head_dim ** 0.5).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1)[0]  # (H, n, n)
+    expected = torch.zeros(n)
+    for j in range(n):
+        ratios = [probs[h, i, j] * (i + 1) for h in range(probs.shape[0]) for i in range(j, n)]
+        expected[j] = sum(ratios) / len(ratios)
+    torch.testing.assert_close(received["scores"][0], expected, atol=ATOL, rtol=1e-5)
