@@ -32,13 +32,19 @@ EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_we
 EXPERT_WEIGHTS = ("unit", "probability")
 LEGACY_DEFAULTS: dict[str, dict[str, tuple[Any, Any]]] = {
     "model": {"expert_weight": ("probability", lambda model: model.get("experts", 0) > 0),
-              "recursion_update": ("delta", lambda model: model.get("arch") == "recursion")},
+              "recursion_update": ("delta", lambda model: _family_owns(model, "recursion_update"))},
     "train": {"expert_aux_sum": (False, lambda train: True)},
 }
 """Fields added after runs were saved whose new default changes what such a run computes: section -> field ->
 (the old behaviour's value, which saved sections it applies to). A config.json without the field (a run saved
 before it existed) reads it with that value (`RunConfig.read_saved`); a new run, from flags, a preset or a TOML
 file, gets the field's default."""
+
+
+def _family_owns(model: dict[str, Any], option: str) -> bool:
+    """The saved model section's family (--arch) has `option` among its own options."""
+    family = FAMILIES.get(model.get("arch", DEFAULT_FAMILY))
+    return family is not None and option in family.options
 
 
 def require(ok: bool, message: str) -> None:
