@@ -384,6 +384,9 @@ class TrainConfig:
     expert_aux_weight: float = 0.01
     """Weight of the MoE load-balancing loss (Switch Transformer) of each MoE block, the losses summed (Switch's
     0.01 per layer); with --experts."""
+    expert_capacity_warmup: int = 0
+    """MoE: the first this many steps train with no expert capacity limit (no choice dropped while the gate learns
+    to balance; each expert does the whole batch's slots, and the FLOP count says so); 0 = off."""
     expert_aux_sum: bool = True
     """Sum the MoE blocks' load-balancing losses (Switch); False averages them over the blocks, as runs saved before
     this option did (their config.json loads with False)."""
@@ -431,6 +434,8 @@ class TrainConfig:
         require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         require(self.router_aux_weight >= 0, f"--router-aux-weight must be >= 0, got {self.router_aux_weight}")
         require(self.expert_aux_weight >= 0, f"--expert-aux-weight must be >= 0, got {self.expert_aux_weight}")
+        require(self.expert_capacity_warmup >= 0,
+                f"--expert-capacity-warmup must be >= 0, got {self.expert_capacity_warmup}")
         require(self.router_lr_scale > 0, f"--router-lr-scale must be positive, got {self.router_lr_scale}")
         require(self.capacity_warmup >= 0, f"--capacity-warmup must be >= 0, got {self.capacity_warmup}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")

@@ -66,6 +66,7 @@ def train(
     router_aux_weight: options.RouterAuxWeight = None,
     expert_aux_weight: options.ExpertAuxWeight = None,
     expert_aux_sum: options.ExpertAuxSum = None,
+    expert_capacity_warmup: options.ExpertCapacityWarmup = None,
     router_lr_scale: options.RouterLrScale = None,
     capacity_warmup: options.CapacityWarmup = None,
     eval_every: options.EvalEvery = None,

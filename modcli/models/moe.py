@@ -64,7 +64,10 @@ EXPERT_WEIGHTS = ("unit", "probability")
 
 def expert_capacity(tokens: int, top_k: int, pool: int, capacity_factor: float) -> int:
     """Slots per real expert for a batch of `tokens` tokens (all its sequences together): ceil(factor x tokens x
-    top_k / pool), at most `tokens` (a token chooses an expert at most once)."""
+    top_k / pool), at most `tokens` (a token chooses an expert at most once); an infinite factor (the
+    --expert-capacity-warmup steps) is no limit."""
+    if math.isinf(capacity_factor):
+        return max(1, tokens)
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / pool)))
 
 

@@ -50,7 +50,14 @@ from modcli.training import distributed
 from modcli.training.distributed import DistributedContext
 from modcli.training.objective import Objective, bits_per_byte, lm_loss, routing_agreement, training_loss
 from modcli.training.resume import check_resumable, gather_resume_state, restore_resume_state
-from modcli.training.schedule import capacity_at, learning_rate, make_optimizer, step_flops, total_steps
+from modcli.training.schedule import (
+    capacity_at,
+    expert_capacity_factor_at,
+    learning_rate,
+    make_optimizer,
+    step_flops,
+    total_steps,
+)
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 NAN_AT_STEP_ENV = "MODCLI_TEST_NAN_AT_STEP"
@@ -409,6 +416,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             step_start = time.perf_counter()
             lr = learning_rate(run.step + 1, steps, tc)
             capacity = capacity_at(run.step + 1, mc, tc)
+            for moe in run.model.moe_blocks():  # --expert-capacity-warmup: no capacity limit at first
+                moe.capacity_factor = expert_capacity_factor_at(run.step + 1, mc, tc)
             make_nan = nan_at_step == run.step + 1
             train_loss, grad_norm, objective = _optimizer_step(run, forward, tc, context, lr, capacity, train_mode,
                                                                make_nan, diverged)
@@ -418,7 +427,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             step_tokens = global_batch * mc.seq_len
             run.tokens += step_tokens
             session_tokens += step_tokens
-            run.flops += per_step_flops
+            run.flops += per_step_flops if run.step > tc.expert_capacity_warmup else step_flops(
+                config, context.world_size, run.step)
             train_time += time.perf_counter() - step_start
             if compile_stats is not None and not compile_stats.compile_s:  # the first step compiled the graphs
                 compile_stats.compile_s = time.perf_counter() - step_start

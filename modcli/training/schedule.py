@@ -3,6 +3,7 @@ learning rate, the capacity warm-up, and how many steps a FLOP budget pays for."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -64,14 +65,28 @@ def capacity_at(step: int, model_config: ModelConfig, config: TrainConfig) -> fl
     return 1.0 - (1.0 - model_config.capacity) * step / config.capacity_warmup
 
 
-def step_flops(config: RunConfig, world_size: int = 1) -> int:
-    """Training FLOPs of one optimiser step over the global batch."""
-    tc = config.train
-    return training_flops(config.model, config.model.seq_len, tc.batch_size) * tc.grad_accum * world_size
+def expert_capacity_factor_at(step: int, model_config: ModelConfig, config: TrainConfig) -> float:
+    """The MoE capacity factor in force at `step` (from 1): no limit (infinite) during --expert-capacity-warmup."""
+    return math.inf if step <= config.expert_capacity_warmup else model_config.expert_capacity_factor
+
+
+def step_flops(config: RunConfig, world_size: int = 1, step: int | None = None) -> int:
+    """Training FLOPs of one optimiser step over the global batch; at `step` (from 1) an MoE's capacity is that step's
+    (unlimited during --expert-capacity-warmup), else the configured one."""
+    tc, model = config.train, config.model
+    if step is not None and model.experts:
+        model = dataclasses.replace(model, expert_capacity_factor=expert_capacity_factor_at(step, model, tc))
+    return training_flops(model, model.seq_len, tc.batch_size) * tc.grad_accum * world_size
 
 
 def total_steps(config: RunConfig, world_size: int = 1) -> int:
-    """--max-steps, or with --flops-budget the steps that budget pays for (the budget wins)."""
-    if config.train.flops_budget:
-        return max(1, math.ceil(config.train.flops_budget / step_flops(config, world_size)))
-    return config.train.max_steps
+    """--max-steps, or with --flops-budget the steps that budget pays for (the budget wins; the MoE capacity
+    warm-up's steps cost more)."""
+    budget = config.train.flops_budget
+    if not budget:
+        return config.train.max_steps
+    warm = config.train.expert_capacity_warmup if config.model.experts else 0
+    warm_flops = step_flops(config, world_size, step=1) if warm else 0
+    if warm * warm_flops >= budget:
+        return max(1, math.ceil(budget / warm_flops))
+    return max(1, warm + math.ceil((budget - warm * warm_flops) / step_flops(config, world_size)))

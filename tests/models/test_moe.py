@@ -243,6 +243,21 @@ def test_training_logs_expert_statistics_and_the_balancing_loss(tmp_path, corpus
     assert result.val_loss > 0
 
 
+def test_the_capacity_warmup_drops_nothing_and_counts_its_flops(tmp_path, corpus_file):
+    from modcli.training.loop import train
+    from modcli.training.schedule import step_flops
+
+    config = tiny_run_config(corpus_file, tmp_path / "run", max_steps=4, eval_every=4, expert_capacity_warmup=2)
+    config = RunConfig(model=tiny_model_config(**FAMILIES["moe"], expert_capacity_factor=0.25), data=config.data,
+                       train=config.train)
+    result = train(config, quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    dropped = [r["expert_dropped"] for r in records if "loss" in r]
+    assert dropped[:2] == [0.0, 0.0] and min(dropped[2:]) > 0  # factor 0.25 must drop once the warm-up ends
+    warm, steady = step_flops(config, step=1), step_flops(config)
+    assert warm > steady and result.flops == 2 * warm + 2 * steady
+
+
 def test_balancing_loss_is_summed_over_blocks_or_averaged_as_before():
     from modcli.config import TrainConfig
     from modcli.training.objective import training_loss
