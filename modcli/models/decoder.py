@@ -76,6 +76,40 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.to(x.dtype)
 
 
+def received_attention(probs: Tensor) -> Tensor:
+    """A-MoD's score from causal attention probabilities (B, H, n, n): what each token received (B, n), neutral to
+    its position.
+
+    Raw received attention is biased by position twice over in a causal decoder: token j is seen only by the n - j
+    queries at or after it, each query i spreads its weight over i + 1 tokens, and trained heads attend mostly to
+    recent tokens, so a late token is seen only by the near queries that favour it. Each weight is therefore
+    compared with what is usual for its place: query i's row is divided by its uniform share 1 / (i + 1), then
+    each ratio by the mean ratio of its head at its query-key distance i - j (over the batch and the queries), and
+    token j's score is the mean over the n - j queries that see it and over the heads. With more than one sequence,
+    each position's scores are then standardised over the batch (a late token's mean is over few queries, so it
+    spreads wider, and top-k would favour its extremes). Uniform attention scores every token alike, and a head's
+    habit of attending to recent tokens no longer decides the ranking (the histogram of selected positions of a
+    trained model: docs/families.md). Training's top-k is non-causal anyway; this adds a dependence on the other
+    sequences of the batch, which decoding never sees (it uses the predictor).
+    """
+    batch, heads, n, _ = probs.shape
+    position = torch.arange(n, device=probs.device)  # (n,)
+    distance = position[:, None] - position[None, :]  # (n, n) query - key
+    causal = distance >= 0
+    relative = probs.float() * (position + 1)[:, None]  # (B, H, n, n) each query row over its uniform share
+    index = distance.clamp(min=0).expand(heads, n, n).reshape(heads, -1)  # (H, n n)
+    per_distance = relative.sum(dim=0).masked_fill(~causal, 0.0).reshape(heads, -1)  # (H, n n)
+    totals = torch.zeros(heads, n, device=probs.device).scatter_add(1, index, per_distance)  # (H, n) by distance
+    usual = (totals / (batch * (n - position)).float()).clamp(min=torch.finfo(torch.float32).tiny)  # (H, n) by distance
+    ratio = (relative / usual[:, distance.clamp(min=0)]).masked_fill(~causal, 0.0)  # (B, H, n, n)
+    score = ratio.sum(dim=2).mean(dim=1) / (n - position).float()  # (B, n)
+    if batch == 1:
+        return score
+    # a late token's score is a mean over few queries, so it spreads wider and top-k would favour its extremes:
+    # each position's scores are standardised over the batch's sequences
+    return (score - score.mean(dim=0)) / score.std(dim=0).clamp(min=1e-6)  # (B, n)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -103,11 +137,7 @@ class Attention(nn.Module):
 
         With `prefill = (cache, rows, counts)` their K/V are also written to the cache. With a `received` dict, the
         attention probabilities are computed explicitly (no fused kernel) and `received["scores"]` is set to the
-        attention each token receives (B, n), position-neutral: query i's row is divided by its uniform share
-        1 / (i + 1) (it sees i + 1 tokens), then averaged over the n - j queries that see token j and over heads; no
-        gradient (A-MoD's score). Under uniform attention every token scores exactly 1. A raw sum favours early
-        tokens (seen by more queries), and dividing the raw sum by n - j still does (an early key takes its share
-        of few-key rows, whose weights are large), the bias docs/families.md measured.
+        attention each token receives (B, n), position-neutral (A-MoD's score; no gradient; `received_attention`).
         """
         batch, n, d_model = x.shape
         q, k, v = self._heads(x, cos, sin)
@@ -122,10 +152,7 @@ class Attention(nn.Module):
             scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, n, n)
             causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()  # (n, n) query >= key
             probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, H, n, n)
-            position = torch.arange(n, device=x.device)  # (n,)
-            relative = probs.detach() * (position + 1)[:, None]  # (B, H, n, n) each query row over its uniform share
-            seen_by = n - position  # (n,) queries that can see each token
-            received["scores"] = relative.sum(dim=2).mean(dim=1) / seen_by  # (B, n)
+            received["scores"] = received_attention(probs.detach())  # (B, n)
             out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
         return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
 

@@ -1,6 +1,7 @@
 """A-MoD's score (the attention a token received in the block before) is position-neutral in a causal decoder:
-uniform attention scores every position alike, and the score is each query row over its uniform share 1 / (i + 1),
-averaged over the queries that see the token and over heads."""
+uniform attention scores every position alike, and the score is each weight over its row's uniform share 1 / (i + 1)
+and over the usual such ratio at its query-key distance, averaged over the queries that see the token and over
+heads."""
 
 from __future__ import annotations
 
@@ -26,11 +27,25 @@ def test_uniform_attention_scores_every_position_equally():
     received = {}
     attention(torch.randn(2, n, 32), cos[None], sin[None], received=received)
     scores = received["scores"]  # (B, n)
-    torch.testing.assert_close(scores, torch.ones(2, n), atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores, scores[:, :1].expand(2, n), atol=ATOL, rtol=0)
+    one = {}
+    attention(torch.randn(1, n, 32), cos[None], sin[None], received=one)
+    torch.testing.assert_close(one["scores"], torch.ones(1, n), atol=ATOL, rtol=0)  # one sequence: not standardised
+
+
+def test_with_a_batch_each_position_is_standardised_over_the_sequences():
+    from modcli.models.decoder import received_attention
+
+    torch.manual_seed(0)
+    probs = torch.rand(3, 2, 10, 10).tril().softmax(-1).tril()
+    probs = probs / probs.sum(-1, keepdim=True)  # (B, H, n, n) causal rows summing to 1
+    scores = received_attention(probs)  # (B, n)
+    torch.testing.assert_close(scores.mean(0), torch.zeros(10), atol=ATOL, rtol=0)
+    torch.testing.assert_close(scores.std(0), torch.ones(10), atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
-def test_the_score_is_each_row_over_its_uniform_share_averaged_over_the_queries_that_see_the_token():
+def test_the_score_compares_each_weight_with_the_usual_one_at_its_distance():
     n = 12
     attention, (cos, sin) = attention_and_rope(n)
     x = torch.randn(1, n, 32)
@@ -39,8 +54,11 @@ def test_the_score_is_each_row_over_its_uniform_share_averaged_over_the_queries_
     q, k, _ = attention._heads(x, cos[None], sin[None])
     probs = (q @ k.transpose(-1, -2) / attention.head_dim ** 0.5).masked_fill(
         ~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")).softmax(-1)[0]  # (H, n, n)
+    heads = probs.shape[0]
+    relative = [[[probs[h, i, j] * (i + 1) for j in range(n)] for i in range(n)] for h in range(heads)]
+    usual = [[sum(relative[h][i][i - d] for i in range(d, n)) / (n - d) for d in range(n)] for h in range(heads)]
     expected = torch.zeros(n)
     for j in range(n):
-        ratios = [probs[h, i, j] * (i + 1) for h in range(probs.shape[0]) for i in range(j, n)]
+        ratios = [relative[h][i][j] / usual[h][i - j] for h in range(heads) for i in range(j, n)]
         expected[j] = sum(ratios) / len(ratios)
     torch.testing.assert_close(received["scores"][0], expected, atol=ATOL, rtol=1e-5)
