@@ -360,6 +360,9 @@ def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
     (["--experts", "-1"], "--experts must be >= 0"),
     (["--experts", "4", "--expert-capacity-factor", "0"], "--expert-capacity-factor must be positive"),
     (["--experts", "4", "--expert-aux-weight", "-1"], "--expert-aux-weight must be >= 0"),
+    (["--experts", "4", "--expert-weight", "half"], "--expert-weight must be one of unit, probability"),
+    (["--experts", "4", "--expert-capacity-warmup", "-1"], "--expert-capacity-warmup must be >= 0"),
+    (["--arch", "early-exit", "--expert-weight", "probability"], "--expert-weight: --arch early-exit has dense MLPs"),
 ])
 def test_bad_expert_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
     result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"), *args])

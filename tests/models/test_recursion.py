@@ -159,6 +159,9 @@ def test_training_flops_count_each_recursion_exactly():
     (["--arch", "recursion", "--recursion-capacities", "1,0.5"], "--recursion-capacities needs 3 values"),
     (["--arch", "recursion", "--recursion-capacities", "0.5,1,0.2"], "must not increase"),
     (["--recursions", "2"], "--recursions is an option of --arch recursion"),
+    (["--arch", "recursion", "--recursion-update", "add"], "--recursion-update must be one of published, delta"),
+    (["--arch", "recursion", "--recursion-alpha", "0"], "--recursion-alpha must be positive"),
+    (["--recursion-alpha", "0.5"], "--recursion-alpha is an option of --arch recursion"),
 ])
 def test_bad_recursion_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
     result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"),
