@@ -25,6 +25,7 @@ def position_shares(run: str, buckets: int, batches: int, batch_size: int) -> di
     uniform share; "calibrated_predictor_recall": routed block -> the predictor's recall at the calibrated
     threshold}."""
     model, config, checkpoint = load_model_from(run, "cpu")
+    model.train()  # the selection training makes (A-MoD standardises its scores over the batch in training only)
     seq_len = config.model.seq_len
     corpus = load_corpus(config.data, seq_len, load_tokenizer(config.data.tokenizer, checkpoint.parent))
     counts: dict[str, torch.Tensor] = {}

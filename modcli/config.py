@@ -30,9 +30,11 @@ MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "rou
 """ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers."""
 EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts")
 EXPERT_WEIGHTS = ("unit", "probability")
+ATTENTION_SCORES = ("neutral", "seen-by")
 LEGACY_DEFAULTS: dict[str, dict[str, tuple[Any, Any]]] = {
     "model": {"expert_weight": ("probability", lambda model: model.get("experts", 0) > 0),
-              "recursion_update": ("delta", lambda model: _family_owns(model, "recursion_update"))},
+              "recursion_update": ("delta", lambda model: _family_owns(model, "recursion_update")),
+              "attention_score": ("seen-by", lambda model: _reads_attention(model))},
     "train": {"expert_aux_sum": (False, lambda train: True)},
 }
 """Fields added after runs were saved whose new default changes what such a run computes: section -> field ->
@@ -45,6 +47,12 @@ def _family_owns(model: dict[str, Any], option: str) -> bool:
     """The saved model section's family (--arch) has `option` among its own options."""
     family = FAMILIES.get(model.get("arch", DEFAULT_FAMILY))
     return family is not None and option in family.options
+
+
+def _reads_attention(model: dict[str, Any]) -> bool:
+    """The saved model section's router reads the attention maps of the block before (A-MoD)."""
+    spec = ROUTER_KINDS.get(model.get("router", ModelConfig.router))
+    return spec is not None and spec.reads_previous_attention
 
 
 def require(ok: bool, message: str) -> None:
@@ -120,6 +128,11 @@ class ModelConfig:
     expert_capacity_factor: float = 1.25
     """Training only: slots per expert over the whole batch = ceil(factor x batch x tokens x top-k / (experts +
     no-op experts)); choices beyond them ride the residual. Evaluation and decoding have no limit."""
+    attention_score: str = "neutral"
+    """--router attention (A-MoD): how the attention a token received is scored, neutral (each weight against the
+    usual one at its query-key distance, standardised per position over the batch; modcli.models.decoder
+    `received_attention`) or seen-by (the sum over the queries that see the token divided by their number; runs
+    saved before this option load with it)."""
     expert_weight: str = "unit"
     """How a chosen expert's gate probability p scales its update: unit (value 1 with the gradient of log p,
     p / p.detach(): the update is not shrunk) or probability (p itself; runs saved before this option load with
@@ -189,6 +202,8 @@ class ModelConfig:
         require(self.noop_experts >= 0, f"--noop-experts must be >= 0, got {self.noop_experts}")
         require(self.expert_capacity_factor > 0,
                 f"--expert-capacity-factor must be positive, got {self.expert_capacity_factor}")
+        require(self.attention_score in ATTENTION_SCORES,
+                f"--attention-score must be one of {', '.join(ATTENTION_SCORES)}, got {self.attention_score!r}")
         require(self.expert_weight in EXPERT_WEIGHTS,
                 f"--expert-weight must be one of {', '.join(EXPERT_WEIGHTS)}, got {self.expert_weight!r}")
         router = ROUTER_KINDS[self.router]
