@@ -28,7 +28,31 @@ DTYPES = ("float32", "bfloat16", "float16")
 MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
                       "threshold", "capacity_max", "route_part", "predictor_hidden", "keep_first")
 """ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers."""
-EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "noop_experts")
+EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts")
+EXPERT_WEIGHTS = ("unit", "probability")
+ATTENTION_SCORES = ("neutral", "seen-by")
+LEGACY_DEFAULTS: dict[str, dict[str, tuple[Any, Any]]] = {
+    "model": {"expert_weight": ("probability", lambda model: model.get("experts", 0) > 0),
+              "recursion_update": ("delta", lambda model: _family_owns(model, "recursion_update")),
+              "attention_score": ("seen-by", lambda model: _reads_attention(model))},
+    "train": {"expert_aux_sum": (False, lambda train: True)},
+}
+"""Fields added after runs were saved whose new default changes what such a run computes: section -> field ->
+(the old behaviour's value, which saved sections it applies to). A config.json without the field (a run saved
+before it existed) reads it with that value (`RunConfig.read_saved`); a new run, from flags, a preset or a TOML
+file, gets the field's default."""
+
+
+def _family_owns(model: dict[str, Any], option: str) -> bool:
+    """The saved model section's family (--arch) has `option` among its own options."""
+    family = FAMILIES.get(model.get("arch", DEFAULT_FAMILY))
+    return family is not None and option in family.options
+
+
+def _reads_attention(model: dict[str, Any]) -> bool:
+    """The saved model section's router reads the attention maps of the block before (A-MoD)."""
+    spec = ROUTER_KINDS.get(model.get("router", ModelConfig.router))
+    return spec is not None and spec.reads_previous_attention
 
 
 def require(ok: bool, message: str) -> None:
@@ -102,8 +126,17 @@ class ModelConfig:
     expert_top_k: int = 1
     """Experts each token chooses (token choice; no-op experts included)."""
     expert_capacity_factor: float = 1.25
-    """Training only: slots per expert and sequence = ceil(factor x tokens x top-k / (experts + no-op experts));
-    choices beyond them ride the residual. Evaluation and decoding have no limit."""
+    """Training only: slots per expert over the whole batch = ceil(factor x batch x tokens x top-k / (experts +
+    no-op experts)); choices beyond them ride the residual. Evaluation and decoding have no limit."""
+    attention_score: str = "neutral"
+    """--router attention (A-MoD): how the attention a token received is scored, neutral (each weight against the
+    usual one at its query-key distance, standardised per position over the batch; modcli.models.decoder
+    `received_attention`) or seen-by (the sum over the queries that see the token divided by their number; runs
+    saved before this option load with it)."""
+    expert_weight: str = "unit"
+    """How a chosen expert's gate probability p scales its update: unit (value 1 with the gradient of log p,
+    p / p.detach(): the update is not shrunk) or probability (p itself; runs saved before this option load with
+    it)."""
     noop_experts: int = 0
     """--router integrated (integrated MoDE): no-op experts added to the MoE of the routed blocks; a token that
     chooses one skips the MLP."""
@@ -122,6 +155,13 @@ class ModelConfig:
     recursion_capacities: list[float] | None = None
     """--arch recursion: share of the tokens each recursion step keeps (non-increasing, in (0, 1]); None =
     (N - r) / N for step r of N (1, 0.67, 0.33 for N = 3)."""
+    recursion_update: str = "published"
+    """--arch recursion: how a recursion step writes its selected tokens back: published (the MoR authors' code:
+    x + alpha x sigmoid(l) x stack(x), a scatter-add of the stack's output) or delta (x + sigmoid(l) x (stack(x) -
+    x), the MoD block update with the stack as f; runs saved before this option load with it)."""
+    recursion_alpha: float = 0.1
+    """--arch recursion with --recursion-update published: alpha, the scale of the scatter-added stack output (the
+    authors' 0.1)."""
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 2, f"--vocab-size must be >= 2, got {self.vocab_size}")
@@ -162,6 +202,10 @@ class ModelConfig:
         require(self.noop_experts >= 0, f"--noop-experts must be >= 0, got {self.noop_experts}")
         require(self.expert_capacity_factor > 0,
                 f"--expert-capacity-factor must be positive, got {self.expert_capacity_factor}")
+        require(self.attention_score in ATTENTION_SCORES,
+                f"--attention-score must be one of {', '.join(ATTENTION_SCORES)}, got {self.attention_score!r}")
+        require(self.expert_weight in EXPERT_WEIGHTS,
+                f"--expert-weight must be one of {', '.join(EXPERT_WEIGHTS)}, got {self.expert_weight!r}")
         router = ROUTER_KINDS[self.router]
         if router.uses_noop_experts:
             require(self.experts >= 1 and self.noop_experts >= 1,
@@ -353,7 +397,14 @@ class TrainConfig:
     """Weight of the router's auxiliary loss: for topk the BCE that teaches the router's sign to match top-k (causal
     decoding), for threshold the capacity regulariser."""
     expert_aux_weight: float = 0.01
-    """Weight of the MoE load-balancing loss (Switch Transformer), mean over MoE blocks; with --experts."""
+    """Weight of the MoE load-balancing loss (Switch Transformer) of each MoE block, the losses summed (Switch's
+    0.01 per layer); with --experts."""
+    expert_capacity_warmup: int = 0
+    """MoE: the first this many steps train with no expert capacity limit (no choice dropped while the gate learns
+    to balance; each expert does the whole batch's slots, and the FLOP count says so); 0 = off."""
+    expert_aux_sum: bool = True
+    """Sum the MoE blocks' load-balancing losses (Switch); False averages them over the blocks, as runs saved before
+    this option did (their config.json loads with False)."""
     router_lr_scale: float = 1.0
     """Learning rate of the router parameters (and predictor) relative to --lr."""
     capacity_warmup: int = 0
@@ -398,6 +449,8 @@ class TrainConfig:
         require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         require(self.router_aux_weight >= 0, f"--router-aux-weight must be >= 0, got {self.router_aux_weight}")
         require(self.expert_aux_weight >= 0, f"--expert-aux-weight must be >= 0, got {self.expert_aux_weight}")
+        require(self.expert_capacity_warmup >= 0,
+                f"--expert-capacity-warmup must be >= 0, got {self.expert_capacity_warmup}")
         require(self.router_lr_scale > 0, f"--router-lr-scale must be positive, got {self.router_lr_scale}")
         require(self.capacity_warmup >= 0, f"--capacity-warmup must be >= 0, got {self.capacity_warmup}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
@@ -416,6 +469,18 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def read_saved(cls, raw: dict[str, Any]) -> RunConfig:
+        """A run config as a checkpoint's config.json holds it: a field the file lacks (saved before the field
+        existed) takes its LEGACY_DEFAULTS value where there is one, so the old run computes what it computed."""
+        sections = dict(raw)
+        for section, legacy in LEGACY_DEFAULTS.items():
+            values = sections.get(section, {})
+            if isinstance(values, dict):
+                sections[section] = {**{name: old for name, (old, applies) in legacy.items()
+                                        if name not in values and applies(values)}, **values}
+        return cls.from_dict(sections)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:

@@ -182,7 +182,7 @@ def read_config(checkpoint: Path) -> RunConfig:
     raw = _read_json(path)
     check_config_values(raw, str(path))
     try:
-        return RunConfig.from_dict(raw)
+        return RunConfig.read_saved(raw)
     except UserError as exc:
         raise UserError(f"{path}: {exc}") from None
     except (TypeError, ValueError, AttributeError, KeyError) as exc:

@@ -43,11 +43,15 @@ def train(
     expert_top_k: options.ExpertTopK = None,
     expert_capacity_factor: options.ExpertCapacityFactor = None,
     noop_experts: options.NoopExperts = None,
+    expert_weight: options.ExpertWeight = None,
+    attention_score: options.AttentionScore = None,
     arch: options.Arch = None,
     layer_dropout_max: options.LayerDropoutMax = None,
     exit_loss_scale: options.ExitLossScale = None,
     recursions: options.Recursions = None,
     recursion_capacities: options.RecursionCapacities = None,
+    recursion_update: options.RecursionUpdate = None,
+    recursion_alpha: options.RecursionAlpha = None,
     dropout: options.Dropout = None,
     dense: options.Dense = None,
     d_model: options.DModel = None,
@@ -62,6 +66,8 @@ def train(
     flops_budget: options.FlopsBudget = None,
     router_aux_weight: options.RouterAuxWeight = None,
     expert_aux_weight: options.ExpertAuxWeight = None,
+    expert_aux_sum: options.ExpertAuxSum = None,
+    expert_capacity_warmup: options.ExpertCapacityWarmup = None,
     router_lr_scale: options.RouterLrScale = None,
     capacity_warmup: options.CapacityWarmup = None,
     eval_every: options.EvalEvery = None,
@@ -122,6 +128,9 @@ def train(
             validation.append((f"validation loss ({mode}, {label})", f"{loss:.4f}"))
     if result.init_val_loss is not None:
         validation.append(("validation loss of the --init-from model", f"{result.init_val_loss:.4f}"))
+    if result.expert_dropped_mean is not None:
+        validation.append(("expert choices dropped (mean / max step)",
+                           f"{result.expert_dropped_mean:.2%} / {result.expert_dropped_max:.2%}"))
     title = f"training summary ({run_config.model.kind})"
     stdout.print(key_value_table(title, [
         ("steps", str(result.steps)),

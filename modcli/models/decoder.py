@@ -76,6 +76,47 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.to(x.dtype)
 
 
+def received_attention(probs: Tensor, rule: str = "neutral", standardise: bool = True) -> Tensor:
+    """A-MoD's score from causal attention probabilities (B, H, n, n): what each token received (B, n), neutral to
+    its position (`rule` neutral, --attention-score), or as before (seen-by: the sum over the n - j queries that
+    see token j divided by their number, averaged over heads; runs saved before the option).
+
+    Raw received attention is biased by position twice over in a causal decoder: token j is seen only by the n - j
+    queries at or after it, each query i spreads its weight over i + 1 tokens, and trained heads attend mostly to
+    recent tokens, so a late token is seen only by the near queries that favour it. Each weight is therefore
+    compared with what is usual for its place: query i's row is divided by its uniform share 1 / (i + 1), then
+    each ratio by the mean ratio of its head at its query-key distance i - j (over the batch and the queries), and
+    token j's score is the mean over the n - j queries that see it and over the heads. With `standardise` (a
+    training forward) and more than one sequence, each position's scores are then standardised over the batch (a
+    late token's mean is over few queries, so it spreads wider, and top-k would favour its extremes); an
+    evaluation or exported forward leaves that out (its top-k then depends on the other sequences only through
+    the per-distance means, and the exported graphs match eager top-k, tested). Uniform
+    attention scores every token alike, and a head's habit of attending to recent tokens no longer decides the
+    ranking (the histogram of selected positions of a trained model: docs/results.md).
+    """
+    batch, heads, n, _ = probs.shape
+    position = torch.arange(n, device=probs.device)  # (n,)
+    if rule == "seen-by":
+        return probs.sum(dim=2).mean(dim=1) / (n - position)  # (B, n)
+    distance = position[:, None] - position[None, :]  # (n, n) query - key
+    causal = distance >= 0
+    relative = probs.float() * (position + 1)[:, None]  # (B, H, n, n) each query row over its uniform share
+    index = distance.clamp(min=0).expand(heads, n, n).reshape(heads, -1)  # (H, n n)
+    per_distance = relative.sum(dim=0).masked_fill(~causal, 0.0).reshape(heads, -1)  # (H, n n)
+    totals = torch.zeros(heads, n, device=probs.device).scatter_add(1, index, per_distance)  # (H, n) by distance
+    usual = (totals / (batch * (n - position)).float()).clamp(min=torch.finfo(torch.float32).tiny)  # (H, n) by distance
+    ratio = (relative / usual[:, distance.clamp(min=0)]).masked_fill(~causal, 0.0)  # (B, H, n, n)
+    score = ratio.sum(dim=2).mean(dim=1) / (n - position).float()  # (B, n)
+    # A late token's score is a mean over few queries, so it spreads wider and top-k would favour its extremes: each
+    # position's scores are standardised over the batch's sequences, where they spread at all (not for one
+    # sequence; no branch on the batch size, so an exported graph with a dynamic batch does the same).
+    if standardise:
+        spread = score.std(dim=0, correction=0)  # (n,)
+        standard = (score - score.mean(dim=0)) / spread.clamp(min=1e-6)  # (B, n)
+        score = torch.where(spread > 1e-6, standard, score)
+    return score
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -84,6 +125,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, sum(self.sizes), bias=config.qkv_bias)
         self.proj = nn.Linear(self.sizes[0], config.d_model, bias=False)
         self.dropout = config.dropout
+        self.attention_score = config.attention_score
 
     def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, n, hd) and k, v (B, Hkv, n, hd), RoPE applied to q and k."""
@@ -103,8 +145,7 @@ class Attention(nn.Module):
 
         With `prefill = (cache, rows, counts)` their K/V are also written to the cache. With a `received` dict, the
         attention probabilities are computed explicitly (no fused kernel) and `received["scores"]` is set to the
-        attention each token receives (B, n): summed over the queries that can see it, divided by their number
-        (n - j for token j, so early tokens are not favoured), averaged over heads; no gradient (A-MoD's score).
+        attention each token receives (B, n), position-neutral (A-MoD's score; no gradient; `received_attention`).
         """
         batch, n, d_model = x.shape
         q, k, v = self._heads(x, cos, sin)
@@ -119,8 +160,7 @@ class Attention(nn.Module):
             scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, n, n)
             causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()  # (n, n) query >= key
             probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, H, n, n)
-            seen_by = n - torch.arange(n, device=x.device)  # (n,) queries that can see each token
-            received["scores"] = (probs.detach().sum(dim=2).mean(dim=1) / seen_by)  # (B, n)
+            received["scores"] = received_attention(probs.detach(), self.attention_score, self.training)  # (B, n)
             out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
         return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
 
@@ -154,7 +194,7 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
-                           config.expert_capacity_factor, config.noop_experts_of(layer))
+                           config.expert_capacity_factor, config.noop_experts_of(layer), config.expert_weight)
                     if config.experts else SwiGLU(config))
         self.delta_dropout = nn.Dropout(config.dropout)
         self.routed = config.is_routed(layer)

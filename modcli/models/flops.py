@@ -48,14 +48,15 @@ def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> tuple[int, in
     return config.family.block_tokens(config, layer, seq_len)
 
 
-def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = False) -> tuple[int, int]:
-    """(MLP, MoE gate) FLOPs of `tokens` tokens through a block's MLP.
+def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = False, batch: int = 1) -> tuple[int, int]:
+    """(MLP, MoE gate) FLOPs of `batch` sequences of `tokens` tokens each through a block's MLP.
 
     A dense MLP: every token. An MoE MLP (modcli.models.moe): the gate scores every token over E + N experts; in training
-    each real expert does its static capacity of C slots per sequence (whoever fills them), otherwise each token
+    each real expert does its static capacity of C slots over the batch (whoever fills them), otherwise each token
     does top-k experts, of which E / (E + N) are real at the balanced share the load-balancing loss aims at (the
     real share is learnt: `modcli profile` counts what the experts really did)."""
     per_token = 2 * config.d_model * 2 * config.hidden + 2 * config.hidden * config.d_model  # SwiGLU gate+up, down
+    tokens *= batch
     if not config.experts:
         return tokens * per_token, 0
 
@@ -64,13 +65,15 @@ def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = Fal
     if training:
         slots = config.experts * expert_capacity(tokens, config.expert_top_k, pool, config.expert_capacity_factor)
     else:
-        slots = round(tokens * config.expert_top_k * config.experts / pool)
+        slots = round(tokens * config.expert_top_k * config.experts / batch / pool) * batch
     return slots * per_token, gate
 
 
-def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, training: bool = False) -> FlopBreakdown:
-    """Forward FLOPs per sequence of `seq_len` tokens, routed blocks at their capacity; `training`: the forward of
-    a training step (MoE experts at their static capacity, see `mlp_flops`)."""
+def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, training: bool = False,
+          batch: int = 1) -> FlopBreakdown:
+    """Forward FLOPs of `batch` sequences of `seq_len` tokens (per sequence by default), routed blocks at their
+    capacity; `training`: the forward of a training step (MoE experts at their static capacity over the batch, see
+    `mlp_flops`; the only count that is not `batch` x one sequence's)."""
     d = config.d_model
     q_width, kv_width = config.n_heads * config.head_dim, config.kv_heads * config.head_dim  # GQA: fewer k, v heads
     out = FlopBreakdown()
@@ -78,36 +81,39 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, tr
         n, n_mlp = block_tokens(config, layer, seq_len)
         # a family with layer dropout skips the block for a sequence with probability p (the expected count)
         kept = 1.0 - config.family.layer_dropout(config, layer) if training else 1.0
-        out.attention_proj += round(kept * (2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d))
-        out.attention_scores += round(kept * 2 * 2 * n * n * q_width)  # q k^T and (scores) v, over all query heads
-        mlp, gate = mlp_flops(config, layer, n_mlp, training)
+        out.attention_proj += batch * round(kept * (2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d))
+        out.attention_scores += batch * round(kept * 2 * 2 * n * n * q_width)  # q k^T and (scores) v, all heads
+        mlp, gate = mlp_flops(config, layer, n_mlp, training, batch)
         out.mlp += round(kept * mlp)
         out.router += gate
         if config.has_router_at(layer):
             router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
-            out.router += router
-            out.predictor += predictor
-    out.head += 2 * seq_len * d * config.vocab_size
+            out.router += batch * router
+            out.predictor += batch * predictor
+    out.head += batch * 2 * seq_len * d * config.vocab_size
     if training:  # exits through the shared norm and head (early exit's exit losses)
-        out.head += config.family.extra_head_passes(config) * 2 * seq_len * d * config.vocab_size
+        out.head += batch * config.family.extra_head_passes(config) * 2 * seq_len * d * config.vocab_size
     return out
 
 
-def training_flops(config: ModelConfig, seq_len: int) -> int:
-    """FLOPs of one training sequence: forward + backward, as torch.utils.flop_counter counts them.
+def training_flops(config: ModelConfig, seq_len: int, batch: int = 1) -> int:
+    """FLOPs of a training micro-batch of `batch` sequences (one by default): forward + backward, as
+    torch.utils.flop_counter counts them. Only an MoE's static capacity (counted over the whole batch) makes it
+    other than `batch` x one sequence's.
 
     A matmul's backward costs twice its forward (gradients of both operands), so about 3 x forward (predictor
     included), with two corrections: attention's backward costs 2.5 x its forward (the fused kernels recompute the
     q k^T scores), and the predictor reads a stop-gradient copy of the block input, so its first layer computes no
     gradient for its input.
     """
-    forward = flops(config, seq_len, include_predictor=True, training=True)
-    predictor_input_grad = 2 * seq_len * config.d_model * config.predictor_hidden * config.router_count()
+    forward = flops(config, seq_len, include_predictor=True, training=True, batch=batch)
+    predictor_input_grad = batch * 2 * seq_len * config.d_model * config.predictor_hidden * config.router_count()
     # A dense block feeding an A-MoD router computes its attention explicitly (two plain matmuls): no recompute.
     explicit = 0
     if not config.dense and router_class(config.router).reads_previous_attention:
-        explicit = sum(2 * 2 * seq_len * seq_len * config.n_heads * config.head_dim for layer in range(config.n_layers - 1)
-                       if not config.is_routed(layer) and config.is_routed(layer + 1))
+        explicit = batch * sum(2 * 2 * seq_len * seq_len * config.n_heads * config.head_dim
+                               for layer in range(config.n_layers - 1)
+                               if not config.is_routed(layer) and config.is_routed(layer + 1))
     attention_recompute = (forward.attention_scores - explicit) // 2
     return 3 * forward.total + attention_recompute - (predictor_input_grad if forward.predictor else 0)
 

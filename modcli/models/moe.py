@@ -4,28 +4,33 @@ Every token's gate scores the E real experts and the N no-op experts: p = softma
 goes to its `top_k` highest-scoring experts (token choice: each token decides from itself alone, so the choice is
 causal and decoding one token uses the same rule). Its MLP update is
 
-    mlp(x) = sum over its chosen real experts e of p_e * expert_e(x)
+    mlp(x) = sum over its chosen real experts e of w(p_e) * expert_e(x)
 
 and the block writes x + mlp(x), as it does with the dense MLP. A no-op expert contributes nothing and costs
-nothing: a token whose choices are all no-op experts skips the MLP, and because p_e is normalised over all E + N
-experts, the probability a token puts on "no compute" also scales down what the real experts add (the gate learns
-the choice by gradient, as the MoD router weight does). The raw probabilities are used, not renormalised over the
-chosen experts, so top-1 still passes a gradient to the gate.
+nothing: a token whose choices are all no-op experts skips the MLP.
+
+The weight w (--expert-weight): `unit` (the default) is p / p.detach(): value 1, so a chosen expert's update is not
+shrunk by the gate (at init p is about 1 / (E + N), which scaled a top-1 update and its gradient down by E + N),
+while the gate still learns from the gradient of log p. `probability` is p itself (runs made before the option;
+their config.json loads with it). The measured effect is in docs/families.md.
 
 Two dispatches, the same maths:
 
-- **Training** (and export): a static expert capacity per sequence, C = ceil(capacity_factor x n x top_k / (E + N))
-  slots per real expert. Choices are served first-choice first, then in position order; a choice beyond its
-  expert's C slots is dropped (that expert adds nothing for the token: it rides the residual) and counted. The
-  experts run as one batched matmul over (B, E, C) slots, so the work is fixed: E x C tokens per sequence.
-  An exported graph has no capacity limit (C = n: exact, but every expert does n tokens of work).
+- **Training** (and export): a static expert capacity counted over the whole batch, C = ceil(capacity_factor x
+  B x n x top_k / (E + N)) slots per real expert (Switch Transformer; a per-sequence capacity drops far more, as
+  one sequence's tokens often prefer the same expert). Choices are served first-choice first, then position by
+  position across the batch; a choice beyond its expert's C slots is dropped (that expert adds nothing for the
+  token: it rides the residual) and counted. The experts run as one batched matmul over (E, C) slots, so the work
+  is fixed: E x C tokens per batch. An exported graph has no capacity limit (C = B x n: exact, but every expert
+  does B x n tokens of work).
 - **Evaluation and decoding**: no capacity limit (a capacity would make a token's fate depend on other tokens,
   which decoding one token cannot know). The experts loop over exactly the tokens that chose them (one host sync
   for their counts), so FLOPs and latency count only the experts a token really used.
 
 The load-balancing loss is Switch Transformer's: (E + N) x sum_i f_i x P_i over all E + N experts, with f_i the
 share of the choices that go to expert i (before capacity) and P_i the mean gate probability of expert i. It aims
-at a uniform share, so with N no-op experts about N / (E + N) of the choices skip the MLP.
+at a uniform share, so with N no-op experts about N / (E + N) of the choices skip the MLP. The objective adds it
+per MoE layer, summed (modcli.training.objective).
 """
 
 from __future__ import annotations
@@ -53,9 +58,16 @@ class ExpertStats:
     """(0-d) share of the choices that went to a no-op expert."""
 
 
+EXPERT_WEIGHTS = ("unit", "probability")
+"""--expert-weight: how a chosen expert's gate probability scales its update (see the module docstring)."""
+
+
 def expert_capacity(tokens: int, top_k: int, pool: int, capacity_factor: float) -> int:
-    """Slots per real expert for a sequence of `tokens` tokens: ceil(factor x tokens x top_k / pool), at most
-    `tokens` (a token chooses an expert at most once)."""
+    """Slots per real expert for a batch of `tokens` tokens (all its sequences together): ceil(factor x tokens x
+    top_k / pool), at most `tokens` (a token chooses an expert at most once); an infinite factor (the
+    --expert-capacity-warmup steps) is no limit."""
+    if math.isinf(capacity_factor):
+        return max(1, tokens)
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / pool)))
 
 
@@ -70,9 +82,10 @@ class MoEMLP(nn.Module):
     """Token-choice top-k over `experts` SwiGLU experts (stacked weights) plus `noop_experts` that do nothing."""
 
     def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 1, capacity_factor: float = 1.25,
-                 noop_experts: int = 0) -> None:
+                 noop_experts: int = 0, expert_weight: str = "unit") -> None:
         super().__init__()
         self.experts, self.noop_experts, self.top_k = experts, noop_experts, top_k
+        self.expert_weight = expert_weight
         self.hidden, self.capacity_factor = hidden, capacity_factor
         self.gate = nn.Linear(d_model, experts + noop_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(experts, d_model, 2 * hidden))  # (E, D, 2H)
@@ -86,10 +99,12 @@ class MoEMLP(nn.Module):
         return self.experts + self.noop_experts
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, n, D) -> gate probabilities (B, n, E + N) in float32, the chosen experts (B, n, K) and their
-        probabilities (B, n, K)."""
+        """x (B, n, D) -> gate probabilities (B, n, E + N) in float32, the chosen experts (B, n, K) and the weights
+        of their updates (B, n, K): their probabilities, or value 1 with the gradient of log p (`unit`)."""
         probs = self.gate(x).float().softmax(dim=-1)  # (B, n, pool)
         weight, choice = probs.topk(self.top_k, dim=-1)  # (B, n, K)
+        if self.expert_weight == "unit":  # exactly 1 (x / x = 1 in floating point) unless p underflowed to 0
+            weight = weight / weight.detach().clamp(min=torch.finfo(weight.dtype).tiny)
         return probs, choice, weight
 
     def forward(self, x: Tensor) -> Tensor:
@@ -102,8 +117,9 @@ class MoEMLP(nn.Module):
         if static and not self.training and guard_or_false(x.shape[1] == 1):
             out, dropped = self._decode_dispatch(x, choice, weight), torch.zeros((), device=x.device)
         elif static:
-            capacity = expert_capacity(x.shape[1], self.top_k, self.pool, self.capacity_factor) if self.training \
-                else x.shape[1]
+            tokens = x.shape[0] * x.shape[1]
+            capacity = expert_capacity(tokens, self.top_k, self.pool, self.capacity_factor) if self.training \
+                else tokens
             out, dropped = self._static_dispatch(x, choice, weight, capacity)
         else:
             out, dropped = self._exact_dispatch(x, choice, weight), torch.zeros((), device=x.device)
@@ -163,30 +179,29 @@ class MoEMLP(nn.Module):
         return torch.cond(real.any(), run, skip, (x, choice, weight))
 
     def _static_dispatch(self, x: Tensor, choice: Tensor, weight: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
-        """Each real expert gets `capacity` slots per sequence; choices beyond them are dropped. Returns the update
-        (B, n, D) and the share of real-expert choices dropped (0-d)."""
+        """Each real expert gets `capacity` slots over the whole batch; choices beyond them are dropped. Returns the
+        update (B, n, D) and the share of real-expert choices dropped (0-d)."""
         batch, n, d_model = x.shape
         experts, top_k = self.experts, self.top_k
-        # Choices in priority order: every token's first choice (by position), then every token's second, ...
-        ordered = choice.transpose(1, 2).reshape(batch, top_k * n)  # (B, K n)
-        one_hot = F.one_hot(ordered, self.pool)[..., :experts]  # (B, K n, E); no-op choices are all zero
-        rank = ((one_hot.cumsum(dim=1) - 1) * one_hot).sum(dim=-1)  # (B, K n) slot within its expert and sequence
-        real = ordered < experts  # (B, K n)
+        # Choices in priority order: every token's first choice, position by position across the batch (position 0
+        # of every row, then position 1, ...), then every token's second choice, ...
+        ordered = choice.permute(2, 1, 0).reshape(top_k * n * batch)  # (K n B,)
+        one_hot = F.one_hot(ordered, self.pool)[:, :experts]  # (K n B, E); no-op choices are all zero
+        rank = ((one_hot.cumsum(dim=0) - 1) * one_hot).sum(dim=-1)  # (K n B,) slot within its expert
+        real = ordered < experts  # (K n B,)
         kept = real & (rank < capacity)
-        # Slots laid out expert-major, (E, B, C), so that each expert's work is one contiguous matmul operand.
-        dump = experts * batch * capacity  # one extra slot takes every dropped or no-op choice, then is discarded
-        rows = torch.arange(batch, device=x.device)[:, None] * capacity  # (B, 1)
-        slot = torch.where(kept, ordered * (batch * capacity) + rows + rank, torch.full_like(rank, dump)).reshape(-1)
-        token_of = torch.arange(n, device=x.device).repeat(top_k)  # (K n,) position of each ordered choice
-        inputs = x[:, token_of].reshape(-1, d_model)  # (B K n, D)
-        buffer = x.new_zeros(dump + 1, d_model).index_put((slot,), inputs)  # (E B C + 1, D)
-        hidden = buffer[:dump].view(experts, batch * capacity, d_model)  # (E, B C, D)
-        gate, up = torch.bmm(hidden, self.gate_up).chunk(2, dim=-1)  # (E, B C, H) each
-        done = torch.bmm(F.silu(gate) * up, self.down).view(dump, d_model)  # (E B C, D)
+        dump = experts * capacity  # one extra slot takes every dropped or no-op choice, then is discarded
+        slot = torch.where(kept, ordered * capacity + rank, torch.full_like(rank, dump))  # (K n B,)
+        rows = torch.arange(batch, device=x.device) * n  # (B,) first flat token of each row
+        token_of = (torch.arange(n, device=x.device)[:, None] + rows[None, :]).reshape(-1).repeat(top_k)  # (K n B,)
+        inputs = x.reshape(batch * n, d_model)[token_of]  # (K n B, D)
+        buffer = x.new_zeros(dump + 1, d_model).index_put((slot,), inputs)  # (E C + 1, D)
+        hidden = buffer[:dump].view(experts, capacity, d_model)  # (E, C, D)
+        gate, up = torch.bmm(hidden, self.gate_up).chunk(2, dim=-1)  # (E, C, H) each
+        done = torch.bmm(F.silu(gate) * up, self.down).view(dump, d_model)  # (E C, D)
         done = torch.cat([done, x.new_zeros(1, d_model)])  # the dump slot's output is zero
-        per_choice = done[slot].view(batch, top_k * n, d_model)  # (B, K n, D)
-        ordered_weight = weight.transpose(1, 2).reshape(batch, top_k * n)  # (B, K n)
-        per_choice = per_choice * (ordered_weight * kept).to(x.dtype)[..., None]
-        out = per_choice.view(batch, top_k, n, d_model).sum(dim=1)  # (B, n, D)
+        ordered_weight = weight.permute(2, 1, 0).reshape(-1)  # (K n B,)
+        per_choice = done[slot] * (ordered_weight * kept).to(x.dtype)[:, None]  # (K n B, D)
+        out = per_choice.view(top_k, n, batch, d_model).sum(dim=0).transpose(0, 1)  # (B, n, D)
         dropped = (real & ~kept).sum() / real.sum().clamp(min=1)
         return out, dropped.detach().float()

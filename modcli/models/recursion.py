@@ -11,10 +11,21 @@ Routing: before step r a router (one per step, `modcli.models.routing.topk.TopKR
 stop-gradient predictor) scores every token. In training (mode `topk`) it keeps the top k_r = max(1, floor(c_r x T))
 of the tokens still active (`--recursion-capacities`, non-increasing; the others have left with the hidden state
 they had); the selected tokens run the shared stack (attention among themselves, causal, at their original
-positions) and are written back as x + w (stack(x) - x), w = sigmoid(router logit), exactly the MoD block update
-with the stack as f. Top-k sees the whole sequence, so as in MoD the auxiliary BCE loss teaches each router's
-sign (`router` mode) and the predictor (`predictor` mode) to match it; those causal rules decide token by token:
-a token continues to step r when it was active at step r - 1 and the rule says yes.
+positions) and are written back (--recursion-update):
+
+- `published` (the default), as the authors' code writes it (raymin0223/mixture_of_recursions,
+  `model/mor_model/expert_choice_router.py`: `scatter_add(x, index, alpha * sigmoid(l) * block_output)`, where the
+  block output is the hidden state with its residual): x + alpha w stack(x), w = sigmoid(router logit) (the
+  --router-weight), alpha = --recursion-alpha (0.1, their configs'). The stack's output is added to x, not put in
+  its place: the residual is carried once by x and once inside stack(x), as published. At init (w about 0.5) a
+  step changes its tokens by about 5%, so a fresh model starts close to its first block alone.
+- `delta`: x + w (stack(x) - x), the MoD block update with the stack as f (runs saved before the option load with
+  it: with w = 1 a selected token leaves with stack(x), the plain recursive transformer).
+
+Top-k sees the whole sequence, so as in MoD the auxiliary BCE loss teaches each router's sign (`router` mode) and
+the predictor (`predictor` mode) to match it, over the tokens still active before the step only (as the authors':
+a token that has left is no negative example for a later step, whose rule it never meets); those causal rules
+decide token by token: a token continues to step r when it was active at step r - 1 and the rule says yes.
 
 Recursion-wise KV caching: each step's blocks keep their own cache (`DecoderCache` layer 1 + r x R + j for step r,
 shared block j) holding only the tokens that step processed, so the cache shrinks with depth; a cached decode
@@ -23,7 +34,10 @@ equals the causal full forward (tested).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modcli.config import ModelConfig
@@ -33,7 +47,7 @@ from modcli.models.decoder import Block, ForwardAux, MoDDecoder, config_rope
 from modcli.models.families.recursion import RECURSION
 from modcli.models.routing.base import RouterCapabilities, RoutingRecord
 from modcli.models.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal, select_topk
-from modcli.models.routing.topk import TopKRouter
+from modcli.models.routing.topk import TopKRouter, _labels, agreement
 
 CAPABILITIES = RouterCapabilities(
     modes=("topk", "router", "predictor"), causal_modes=("router", "predictor"), static_mode="topk",
@@ -42,6 +56,48 @@ CAPABILITIES = RouterCapabilities(
     notes={"topk": "top-k of the still-active tokens before each recursion step (training; non-causal)",
            "router": "continue while the step's router logit > 0 (causal, trained by BCE against top-k)",
            "predictor": "continue while the step's predictor logit > 0 (causal, stop-gradient MLP)"})
+
+
+@dataclass
+class RecursionRecord(RoutingRecord):
+    """A recursion step's RoutingRecord, with the tokens that were still active before the step."""
+
+    active: Tensor | None = None
+    """(B, T) bool: the tokens the step's router chose among (None: every token, the first step)."""
+
+
+class RecursionRouter(TopKRouter):
+    """A recursion step's router: the top-k router, its losses and statistics over the still-active tokens only."""
+
+    def losses(self, record: RoutingRecord) -> tuple[Tensor, Tensor]:
+        """BCE of the router and predictor logits against the step's top-k choice, averaged over the tokens that
+        were active before the step (those that left earlier are not counted)."""
+        labels, active = _labels(record), _active(record)  # (B, T) each
+        count = active.sum().clamp(min=1)
+
+        def bce(logits: Tensor) -> Tensor:
+            per_token = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")  # (B, T)
+            return (per_token * active).sum() / count
+
+        predictor = record.router_logits.new_zeros((), dtype=torch.float32)
+        if record.predictor_logits is not None:
+            predictor = bce(record.predictor_logits)
+        return bce(record.router_logits), predictor
+
+    @torch.no_grad()
+    def metrics(self, record: RoutingRecord) -> dict[str, dict[str, float]]:
+        """Each causal rule against top-k, over the still-active tokens."""
+        labels, active = _labels(record), _active(record).bool()
+        out = {"router": agreement(record.router_logits[active] > 0, labels[active])}
+        if record.predictor_logits is not None:
+            out["predictor"] = agreement(record.predictor_logits[active] > 0, labels[active])
+        return out
+
+
+def _active(record: RoutingRecord) -> Tensor:
+    """(B, T) float: 1 for the tokens the step chose among."""
+    active = getattr(record, "active", None)
+    return torch.ones_like(record.router_logits, dtype=torch.float32) if active is None else active.float()
 
 
 class RecursionDecoder(MoDDecoder):
@@ -55,7 +111,7 @@ class RecursionDecoder(MoDDecoder):
         self.first = Block(plain, 0)
         self.shared = nn.ModuleList(Block(plain, 1 + j) for j in range(RECURSION.shared_blocks(config)))
         self.last = Block(plain, config.n_layers - 1)
-        self.routers = nn.ModuleList(TopKRouter(plain, step) for step in range(config.recursions))
+        self.routers = nn.ModuleList(RecursionRouter(plain, step) for step in range(config.recursions))
         self._add_head_and_initialise((self.first, *self.shared, self.last))
 
     @property
@@ -127,9 +183,9 @@ class RecursionDecoder(MoDDecoder):
             else:
                 k_step = min(RECURSION.step_tokens(self.config, step, seq_len), int(active.sum(dim=1).min()))
                 selection = select_topk(router_logits.masked_fill(~active, float("-inf")), k_step)
+            records.append(RecursionRecord(step, routing, router, router_logits, predictor_logits, selection,
+                                           self.step_share(step), active=active if step else None))
             active = _selected_mask(selection, seq_len)
-            records.append(RoutingRecord(step, routing, router, router_logits, predictor_logits, selection,
-                                         self.step_share(step)))
             x = self._recursion_step(x, selection, router, router_logits, cos, sin, step, cache, cache_rows)
         x, _ = self.last(x, cos, sin, "dense", cache=layer_cache(self.config.n_layers - 1), cache_rows=cache_rows,
                          lengths=lengths)
@@ -141,7 +197,7 @@ class RecursionDecoder(MoDDecoder):
     def _recursion_step(self, x: Tensor, selection: Selection, router: TopKRouter, router_logits: Tensor,
                         cos: Tensor, sin: Tensor, step: int, cache: DecoderCache | None,
                         cache_rows: Tensor | None) -> Tensor:
-        """The shared stack on the selected tokens only, written back as x + w (stack(x) - x)."""
+        """The shared stack on the selected tokens only, written back by --recursion-update (`write_back`)."""
         idx = selection.selected_idx  # (B, k)
         if idx.shape[1] == 0:
             if cache is not None:
@@ -155,9 +211,18 @@ class RecursionDecoder(MoDDecoder):
             if cache is not None:
                 prefill = (cache.layers[self.cache_layer(step, shared)], cache_rows, selection.counts)
             hidden = hidden + block.delta(hidden, cos[idx], sin[idx], prefill)  # (B, k, D)
-        weight = router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
         keep = None if selection.valid is None else selection.valid.unsqueeze(-1)
-        return scatter_tokens(x, idx, residual_update(x_selected, hidden - x_selected, weight, keep))
+        return scatter_tokens(x, idx, self.write_back(x_selected, hidden, router, router_logits.gather(1, idx), keep))
+
+    def write_back(self, x_selected: Tensor, stacked: Tensor, router: TopKRouter, logits: Tensor,
+                   keep: Tensor | None = None) -> Tensor:
+        """The selected tokens after the step, from their input x_selected and the stack's output `stacked` (..., k,
+        D) and their router logits (..., k): x + alpha w stack(x) (`published`) or x + w (stack(x) - x)
+        (`delta`), through the one routed-update function."""
+        weight = router.weight(logits).unsqueeze(-1)  # (..., k, 1)
+        if self.config.recursion_update == "published":
+            return residual_update(x_selected, stacked, self.config.recursion_alpha * weight, keep)
+        return residual_update(x_selected, stacked - x_selected, weight, keep)
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor, cache: DecoderCache, routing: str | None = None) -> Tensor:
@@ -180,8 +245,7 @@ class RecursionDecoder(MoDDecoder):
             for shared, block in enumerate(self.shared):
                 hidden = hidden + block._decode_delta(hidden, cos, sin, cache.layers[self.cache_layer(step, shared)],
                                                       rows)
-            weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
-            x = x.index_put((rows,), residual_update(x_rows, hidden - x_rows, weight))
+            x = x.index_put((rows,), self.write_back(x_rows, hidden, router, router_logits[rows]))
         x = self.last.decode(x, positions, "dense", cache.layers[-1])
         cache.positions += 1
         return self.head(self.norm(x))[:, 0]  # (B, V)

@@ -39,7 +39,7 @@ def measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_le
     batch = config.batch_size
     tokens = {name: input_tokens(m.config, batch, seq_len, config.seed, device) for name, m in models.items()}
     out = {name: ModelProfile(forward_flops_per_seq=flops(m.config, seq_len).total,
-                              train_flops_per_seq=training_flops(m.config, seq_len))
+                              train_flops_per_seq=training_flops(m.config, seq_len, batch) // batch)
            for name, m in models.items()}
     compiling = " (compiling first)" if "compiled" in config.backends else ""
     if "forward" in config.measure:

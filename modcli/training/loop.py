@@ -50,7 +50,14 @@ from modcli.training import distributed
 from modcli.training.distributed import DistributedContext
 from modcli.training.objective import Objective, bits_per_byte, lm_loss, routing_agreement, training_loss
 from modcli.training.resume import check_resumable, gather_resume_state, restore_resume_state
-from modcli.training.schedule import capacity_at, learning_rate, make_optimizer, step_flops, total_steps
+from modcli.training.schedule import (
+    capacity_at,
+    expert_capacity_factor_at,
+    learning_rate,
+    make_optimizer,
+    step_flops,
+    total_steps,
+)
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 NAN_AT_STEP_ENV = "MODCLI_TEST_NAN_AT_STEP"
@@ -101,6 +108,12 @@ class TrainResult:
     tokens_per_s."""
     graph_breaks: int | None = None
     """With --compile: graph breaks torch.compile met (0: the step is one graph)."""
+    expert_dropped_mean: float | None = None
+    """With MoE blocks: the share of real-expert choices the training capacity dropped (metrics.jsonl's
+    `expert_dropped`, mean over the MoE blocks), averaged over this session's steps; None without experts."""
+    expert_dropped_max: float | None = None
+    """With MoE blocks: the largest `expert_dropped` of any step of this session (a collapse in the first tens of
+    steps shows here, not in the last step's value)."""
 
 
 def validation_modes(model: MoDDecoder) -> list[str]:
@@ -397,19 +410,25 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         return f"training diverged: {what} at step {step}{kept}"
 
     run.wrapped.train()
+    dropped: list[float] = []  # expert_dropped of each step of this session (MoE blocks)
     try:
         while run.step < steps:
             step_start = time.perf_counter()
             lr = learning_rate(run.step + 1, steps, tc)
             capacity = capacity_at(run.step + 1, mc, tc)
+            for moe in run.model.moe_blocks():  # --expert-capacity-warmup: no capacity limit at first
+                moe.capacity_factor = expert_capacity_factor_at(run.step + 1, mc, tc)
             make_nan = nan_at_step == run.step + 1
             train_loss, grad_norm, objective = _optimizer_step(run, forward, tc, context, lr, capacity, train_mode,
                                                                make_nan, diverged)
             run.step += 1
+            if objective.aux.experts:
+                dropped.append(expert_dropped(objective))
             step_tokens = global_batch * mc.seq_len
             run.tokens += step_tokens
             session_tokens += step_tokens
-            run.flops += per_step_flops
+            run.flops += per_step_flops if run.step > tc.expert_capacity_warmup else step_flops(
+                config, context.world_size, run.step)
             train_time += time.perf_counter() - step_start
             if compile_stats is not None and not compile_stats.compile_s:  # the first step compiled the graphs
                 compile_stats.compile_s = time.perf_counter() - step_start
@@ -428,7 +447,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
                       "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                       "tokens_per_s": session_tokens / max(train_time, 1e-9),
                       **_objective_metrics(objective, capacity if tc.capacity_warmup else None,
-                                           detailed=run.step % tc.log_every == 0 or last_step)}
+                                           detailed=run.step % tc.log_every == 0 or last_step),
+                      **({"expert_dropped": dropped[-1]} if objective.aux.experts else {})}
             if evaluate_now:
                 validation = validation_losses(forward, run.corpus, config, context, modes)
                 record.update(validation)
@@ -470,6 +490,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         parameters=run.model.num_parameters(), world_size=context.world_size,
         compile_s=compile_stats.compile_s if compile_stats else None,
         graph_breaks=compile_stats.graph_breaks if compile_stats else None,
+        expert_dropped_mean=sum(dropped) / len(dropped) if dropped else None,
+        expert_dropped_max=max(dropped) if dropped else None,
     )
 
 
@@ -504,6 +526,12 @@ def _optimizer_step(run: _Prepared, forward, tc: TrainConfig, context: Distribut
     scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     return train_loss, grad_norm, objective
+
+
+def expert_dropped(objective: Objective) -> float:
+    """The share of real-expert choices the MoE blocks' training capacity dropped in this step, mean over the MoE
+    blocks (one device sync)."""
+    return torch.stack([stats.dropped for stats in objective.aux.experts.values()]).mean().item()
 
 
 def _objective_metrics(objective: Objective, capacity: float | None, detailed: bool) -> dict[str, Any]:

@@ -4,7 +4,8 @@ declares (modcli.models.families: `aux_losses`), computed from what its forward 
 - `routing` (mod, recursion): each router's own auxiliary losses (modcli.models.routing), mean over routed blocks:
   `router_aux_loss` at --router-aux-weight (topk: BCE of the router logits against top-k; threshold: the capacity
   regulariser) and `predictor_loss` at weight 1 (the stop-gradient predictor's BCE).
-- `experts` (mod): the Switch load-balancing loss of the MoE blocks, mean over blocks, at --expert-aux-weight.
+- `experts` (mod): the Switch load-balancing loss of each MoE block at --expert-aux-weight, summed over the blocks
+  (Switch's 0.01 is per layer; --expert-aux-mean, the behaviour of runs saved before, averages instead).
 - `exits` (early-exit): the cross-entropy of the exit after every block but the last, weighted by depth, times
   --exit-loss-scale, at weight 1.
 """
@@ -112,7 +113,8 @@ def _experts(aux: ForwardAux, targets: Tensor, config: ModelConfig, train: Train
     if not aux.experts:
         return [], {}
     blocks = aux.experts
-    balance = torch.stack([stats.aux_loss for stats in blocks.values()]).mean()
+    per_block = torch.stack([stats.aux_loss for stats in blocks.values()])  # (MoE blocks,)
+    balance = per_block.sum() if train.expert_aux_sum else per_block.mean()
 
     def read() -> dict[str, dict[str, float]]:
         return {f"block{layer}": {"dropped": stats.dropped.item(), "noop": stats.noop.item(),

@@ -3,6 +3,7 @@ learning rate, the capacity warm-up, and how many steps a FLOP budget pays for."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -22,21 +23,28 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; weight decay on the blocks' matrices only (not norms, biases or the
-    embedding). Router parameters (the routers and their predictors) learn at --router-lr-scale x the learning rate
-    (`lr_scale` of their groups)."""
+    """AdamW over the trainable parameters; weight decay on the blocks' matrices, the MoE experts' stacked (E, D, H)
+    weights included (not norms, biases or the embedding). Router parameters (MoD and MoR routers, their
+    predictors, the MoE gates) learn at --router-lr-scale x the learning rate (`lr_scale` of their groups)."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decays = param.ndim == 2 and "embed" not in name
-        separate = config.router_lr_scale != 1.0 and ".router." in name  # default: the same two groups as ever
+        decays = param.ndim >= 2 and "embed" not in name
+        separate = config.router_lr_scale != 1.0 and is_router_parameter(name)  # default: two groups, as ever
         groups.setdefault((decays, separate), []).append(param)
     return torch.optim.AdamW(
         [{"params": params, "weight_decay": config.weight_decay if decays else 0.0,
           "lr_scale": config.router_lr_scale if is_router else 1.0}
          for (decays, is_router), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
         lr=config.lr, betas=(0.9, 0.95), **_fused_if_possible([p for params in groups.values() for p in params]))
+
+
+def is_router_parameter(name: str) -> bool:
+    """A routing parameter, by its name in the decoder (a DDP / compile wrapper's prefix allowed): an MoD block's
+    router and predictor (`blocks.1.router.`), an MoR step's (`routers.0.`), an MoE gate (`blocks.0.mlp.gate.`)."""
+    dotted = f".{name}"
+    return ".router." in dotted or ".routers." in dotted or ".mlp.gate." in dotted
 
 
 def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:
@@ -57,14 +65,28 @@ def capacity_at(step: int, model_config: ModelConfig, config: TrainConfig) -> fl
     return 1.0 - (1.0 - model_config.capacity) * step / config.capacity_warmup
 
 
-def step_flops(config: RunConfig, world_size: int = 1) -> int:
-    """Training FLOPs of one optimiser step over the global batch."""
-    tc = config.train
-    return training_flops(config.model, config.model.seq_len) * tc.batch_size * tc.grad_accum * world_size
+def expert_capacity_factor_at(step: int, model_config: ModelConfig, config: TrainConfig) -> float:
+    """The MoE capacity factor in force at `step` (from 1): no limit (infinite) during --expert-capacity-warmup."""
+    return math.inf if step <= config.expert_capacity_warmup else model_config.expert_capacity_factor
+
+
+def step_flops(config: RunConfig, world_size: int = 1, step: int | None = None) -> int:
+    """Training FLOPs of one optimiser step over the global batch; at `step` (from 1) an MoE's capacity is that step's
+    (unlimited during --expert-capacity-warmup), else the configured one."""
+    tc, model = config.train, config.model
+    if step is not None and model.experts:
+        model = dataclasses.replace(model, expert_capacity_factor=expert_capacity_factor_at(step, model, tc))
+    return training_flops(model, model.seq_len, tc.batch_size) * tc.grad_accum * world_size
 
 
 def total_steps(config: RunConfig, world_size: int = 1) -> int:
-    """--max-steps, or with --flops-budget the steps that budget pays for (the budget wins)."""
-    if config.train.flops_budget:
-        return max(1, math.ceil(config.train.flops_budget / step_flops(config, world_size)))
-    return config.train.max_steps
+    """--max-steps, or with --flops-budget the steps that budget pays for (the budget wins; the MoE capacity
+    warm-up's steps cost more)."""
+    budget = config.train.flops_budget
+    if not budget:
+        return config.train.max_steps
+    warm = config.train.expert_capacity_warmup if config.model.experts else 0
+    warm_flops = step_flops(config, world_size, step=1) if warm else 0
+    if warm * warm_flops >= budget:
+        return max(1, math.ceil(budget / warm_flops))
+    return max(1, warm + math.ceil((budget - warm * warm_flops) / step_flops(config, world_size)))

@@ -39,9 +39,9 @@ def family_model(name: str, **overrides) -> MoDDecoder:
     return model
 
 
-def _moe(experts=4, top_k=1, capacity_factor=1.25, noop=0, d_model=16, hidden=24) -> MoEMLP:
+def _moe(experts=4, top_k=1, capacity_factor=1.25, noop=0, d_model=16, hidden=24, weight="unit") -> MoEMLP:
     torch.manual_seed(0)
-    moe = MoEMLP(d_model, hidden, experts, top_k, capacity_factor, noop)
+    moe = MoEMLP(d_model, hidden, experts, top_k, capacity_factor, noop, weight)
     with torch.no_grad():
         moe.down.normal_(std=0.1)
         moe.gate.weight.normal_(std=1.0)
@@ -73,16 +73,30 @@ def test_static_and_exact_dispatch_agree_when_no_choice_is_dropped(top_k, noop):
     torch.testing.assert_close(static, moe(x), atol=ATOL, rtol=0)
 
 
-def test_the_update_is_the_gate_probability_times_the_chosen_experts():
-    moe = _moe(top_k=2, noop=1).eval()
+@pytest.mark.parametrize("weight", ["unit", "probability"])
+def test_the_update_is_the_chosen_experts_at_their_weight(weight):
+    """--expert-weight probability: p_e x expert_e(x); unit: expert_e(x) itself (value 1)."""
+    moe = _moe(top_k=2, noop=1, weight=weight).eval()
     x = torch.randn(1, 5, 16)
     probs = moe.gate(x).softmax(-1)[0]  # (5, 5)
     expected = torch.zeros(5, 16)
     for t in range(5):
         for e in probs[t].topk(2).indices.tolist():
             if e < moe.experts:  # a no-op expert adds nothing
-                expected[t] += probs[t, e] * moe.expert(e, x[0, t])
+                expected[t] += (probs[t, e] if weight == "probability" else 1.0) * moe.expert(e, x[0, t])
     torch.testing.assert_close(moe(x)[0], expected, atol=ATOL, rtol=0)
+
+
+def test_the_unit_weight_passes_the_gradient_of_log_p_to_the_gate():
+    """Value 1, yet the gate learns: d out / d logits equals that of p / p.detach() written out by hand."""
+    unit, raw = _moe(capacity_factor=4.0, weight="unit").train(), _moe(capacity_factor=4.0, weight="probability").train()
+    x = torch.randn(2, 6, 16)
+    unit(x).sum().backward()
+    probs, choice, weight = raw.route(x)
+    by_hand = raw._static_dispatch(x, choice, weight / weight.detach(), 12)[0]  # (B, n, D), room for every token
+    by_hand.sum().backward()
+    assert unit.gate.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(unit.gate.weight.grad, raw.gate.weight.grad, atol=ATOL, rtol=1e-4)
 
 
 def test_noop_experts_never_compute():
@@ -96,8 +110,8 @@ def test_noop_experts_never_compute():
     for training in (False, True):
         moe.train(training)
         counted = sum(counted_flops(lambda: moe(x)).values())
-        if training:  # static shapes: each real expert's C slots per sequence, whoever fills them; none for no-ops
-            assert counted == gate_flops + 2 * moe.experts * expert_capacity(10, 1, moe.pool, 1.25) * expert_flops
+        if training:  # static shapes: each real expert's C slots over the batch, whoever fills them; none for no-ops
+            assert counted == gate_flops + moe.experts * expert_capacity(20, 1, moe.pool, 1.25) * expert_flops
         else:  # evaluation: no expert runs at all
             assert counted == gate_flops
         assert torch.equal(moe(x), torch.zeros_like(x))
@@ -119,6 +133,37 @@ def test_load_balancing_loss_matches_an_independent_computation():
     assert load_balancing_loss(probs, choice).item() == pytest.approx(expected, rel=1e-6)
     uniform = torch.full((8, 4), 0.25)  # balanced routing gives exactly 1
     assert load_balancing_loss(uniform, torch.arange(8).remainder(4)[:, None]).item() == pytest.approx(1.0)
+
+
+def test_capacity_counts_the_whole_batch():
+    """Row 0's tokens all choose expert 0, row 1's expert 1: a per-sequence capacity of factor 1 (n / 2 slots per
+    expert and row) would drop half the choices; over the batch (n slots per expert) none is dropped, and the
+    static dispatch equals the exact one."""
+    moe = _moe(experts=2, top_k=1, capacity_factor=1.0).train()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[0, 0], moe.gate.weight[1, 0] = 1.0, -1.0
+    x = torch.randn(2, 8, 16)
+    x[0, :, 0], x[1, :, 0] = 3.0, -3.0
+    assert expert_capacity(2 * 8, 1, 2, 1.0) == 8
+    static = moe(x)
+    assert moe.stats.dropped.item() == 0
+    moe.eval()
+    torch.testing.assert_close(static, moe(x), atol=ATOL, rtol=0)
+
+
+def test_capacity_serves_positions_in_order_across_the_batch():
+    """When one expert overflows, the earliest positions of every row are served first (not row 0 entirely)."""
+    moe = _moe(experts=2, top_k=1, capacity_factor=0.5).train()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[0, 0] = 1.0  # every token chooses expert 0
+    x = torch.randn(2, 8, 16)
+    x[..., 0] = 3.0
+    assert expert_capacity(16, 1, 2, 0.5) == 4
+    processed = (moe(x).abs().sum(-1) > 0).tolist()
+    assert processed == [[True, True] + [False] * 6] * 2
+    assert moe.stats.dropped.item() == pytest.approx(12 / 16)
 
 
 def test_capacity_keeps_first_choices_first_then_earlier_positions():
@@ -190,7 +235,72 @@ def test_training_logs_expert_statistics_and_the_balancing_loss(tmp_path, corpus
     assert set(logged) == {"block0", "block1", "block2", "block3"}
     assert logged["block0"]["noop"] == 0 and 0 <= logged["block1"]["noop"] <= 1
     assert 0 <= logged["block1"]["dropped"] <= 1 and len(logged["block1"]["load"]) == 6
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 6 and all(0 <= r["expert_dropped"] <= 1 for r in steps)  # every step, not every --log-every
+    shares = [r["expert_dropped"] for r in steps]
+    assert result.expert_dropped_mean == pytest.approx(sum(shares) / 6)
+    assert result.expert_dropped_max == pytest.approx(max(shares))
     assert result.val_loss > 0
+
+
+def test_the_capacity_warmup_drops_nothing_and_counts_its_flops(tmp_path, corpus_file):
+    from modcli.training.loop import train
+    from modcli.training.schedule import step_flops
+
+    config = tiny_run_config(corpus_file, tmp_path / "run", max_steps=4, eval_every=4, expert_capacity_warmup=2)
+    config = RunConfig(model=tiny_model_config(**FAMILIES["moe"], expert_capacity_factor=0.25), data=config.data,
+                       train=config.train)
+    result = train(config, quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    dropped = [r["expert_dropped"] for r in records if "loss" in r]
+    assert dropped[:2] == [0.0, 0.0] and min(dropped[2:]) > 0  # factor 0.25 must drop once the warm-up ends
+    warm, steady = step_flops(config, step=1), step_flops(config)
+    assert warm > steady and result.flops == 2 * warm + 2 * steady
+
+
+def test_balancing_loss_is_summed_over_blocks_or_averaged_as_before():
+    from modcli.config import TrainConfig
+    from modcli.training.objective import training_loss
+
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config(**FAMILIES["moe"])).train()
+    tokens = torch.randint(0, 256, (2, 16))
+    per_block = None
+    for summed in (True, False):
+        torch.manual_seed(1)
+        objective = training_loss(model, tokens, tokens, TrainConfig(expert_aux_sum=summed))
+        term = next(t for t in objective.terms if t.name == "expert_aux_loss")
+        per_block = torch.stack([stats.aux_loss for stats in objective.aux.experts.values()])
+        assert len(per_block) == 4 and term.weight == 0.01
+        expected = per_block.sum() if summed else per_block.mean()
+        torch.testing.assert_close(term.value, expected)
+
+
+def test_expert_tensors_decay_and_the_gate_learns_at_the_router_lr_scale():
+    from modcli.config import TrainConfig
+    from modcli.training.schedule import make_optimizer
+
+    model = MoDDecoder(tiny_model_config(**FAMILIES["staged"]))
+    optimizer = make_optimizer(model, TrainConfig(router_lr_scale=0.5, weight_decay=0.1))
+    names = {id(p): name for name, p in model.named_parameters()}
+    group_of = {names[id(p)]: group for group in optimizer.param_groups for p in group["params"]}
+    assert group_of["blocks.0.mlp.gate_up"]["weight_decay"] == 0.1 and group_of["blocks.0.mlp.down"]["weight_decay"] == 0.1
+    assert group_of["blocks.0.mlp.gate_up"]["lr_scale"] == 1.0
+    assert group_of["blocks.0.mlp.gate.weight"]["lr_scale"] == 0.5
+    assert group_of["blocks.1.router.score.weight"]["lr_scale"] == 0.5
+    assert group_of["blocks.0.attn_norm.weight"]["weight_decay"] == 0.0
+
+
+def test_a_config_saved_before_expert_weight_loads_with_the_probability_weight():
+    saved = RunConfig(model=tiny_model_config(**FAMILIES["moe"])).to_dict()
+    del saved["model"]["expert_weight"], saved["train"]["expert_aux_sum"]
+    old = RunConfig.read_saved(saved)
+    assert old.model.expert_weight == "probability" and old.train.expert_aux_sum is False
+    new = RunConfig.from_dict(saved)
+    assert new.model.expert_weight == "unit" and new.train.expert_aux_sum is True
+    dense = RunConfig(model=tiny_model_config()).to_dict()
+    del dense["model"]["expert_weight"]
+    assert RunConfig.read_saved(dense).model.expert_weight == "unit"  # no experts: nothing to keep
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +360,9 @@ def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
     (["--experts", "-1"], "--experts must be >= 0"),
     (["--experts", "4", "--expert-capacity-factor", "0"], "--expert-capacity-factor must be positive"),
     (["--experts", "4", "--expert-aux-weight", "-1"], "--expert-aux-weight must be >= 0"),
+    (["--experts", "4", "--expert-weight", "half"], "--expert-weight must be one of unit, probability"),
+    (["--experts", "4", "--expert-capacity-warmup", "-1"], "--expert-capacity-warmup must be >= 0"),
+    (["--arch", "early-exit", "--expert-weight", "probability"], "--expert-weight: --arch early-exit has dense MLPs"),
 ])
 def test_bad_expert_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
     result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"), *args])

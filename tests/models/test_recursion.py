@@ -46,9 +46,13 @@ def test_sharing_counts_parameters_once_and_depth_unrolled():
     assert model.num_parameters() == 256 * 32 + 32 + 4 * block_params + router_params
 
 
+@pytest.mark.parametrize("update", ["delta", "published"])
 @torch.no_grad()
-def test_capacities_one_without_gating_equal_the_unrolled_shared_stack():
-    model = fresh(recursion_capacities=[1.0, 1.0, 1.0], router_weight="none")
+def test_capacities_one_without_gating_equal_the_unrolled_shared_stack(update):
+    """Every token through every step, weight 1: `delta` is the plain recursive stack (x <- stack(x)); `published`
+    scatter-adds alpha x the stack's output (x <- x + alpha stack(x)), the authors' update."""
+    model = fresh(recursion_capacities=[1.0, 1.0, 1.0], router_weight="none", recursion_update=update,
+                  recursion_alpha=0.3)
     tokens = torch.randint(0, 256, (2, 20))
     positions = torch.arange(20)
     from modcli.models.decoder import config_rope
@@ -56,11 +60,42 @@ def test_capacities_one_without_gating_equal_the_unrolled_shared_stack():
     x = model.embed(tokens)
     x, _ = model.first(x, cos, sin, "dense")
     for _ in range(model.config.recursions):
+        hidden = x
         for block in model.shared:
-            x, _ = block(x, cos, sin, "dense")
+            hidden, _ = block(hidden, cos, sin, "dense")
+        x = hidden if update == "delta" else x + 0.3 * hidden
     x, _ = model.last(x, cos, sin, "dense")
     expected = model.head(model.norm(x))
     torch.testing.assert_close(model(tokens, "topk"), expected, atol=ATOL, rtol=0)
+
+
+def test_published_update_is_the_default_with_alpha_0_1_and_old_configs_keep_delta():
+    config = recursion_config()
+    assert (config.recursion_update, config.recursion_alpha) == ("published", 0.1)
+    from modcli.config import RunConfig
+    saved = RunConfig(model=config).to_dict()
+    del saved["model"]["recursion_update"], saved["model"]["recursion_alpha"]  # a config.json saved before them
+    assert RunConfig.read_saved(saved).model.recursion_update == "delta"
+    assert RunConfig.from_dict(saved).model.recursion_update == "published"  # a new run from the same values
+
+
+def test_the_auxiliary_bce_counts_only_the_still_active_tokens():
+    """A token that left at step r - 1 is no negative example at step r: moving its router logit changes nothing."""
+    model = fresh().train()
+    tokens = torch.randint(0, 256, (2, 30))
+    _, aux = model(tokens, "topk", return_aux=True)
+    last = aux.records[-1]
+    assert last.active is not None and int(last.active.sum()) == 2 * 20  # 20 of 30 tokens reached the last step
+    before = model.routers[-1].losses(last)[0]
+    moved = last.router_logits.masked_fill(~last.active, 50.0)  # exited tokens now look like confident positives
+    last.router_logits = moved
+    after = model.routers[-1].losses(last)[0]
+    torch.testing.assert_close(before, after)
+    labels = torch.zeros(2, 30).scatter(1, last.selection.selected_idx, 1.0)
+    mask = last.active.float()
+    by_hand = (torch.nn.functional.binary_cross_entropy_with_logits(moved.float(), labels, reduction="none")
+               * mask).sum() / mask.sum()
+    torch.testing.assert_close(after, by_hand)
 
 
 @torch.no_grad()
@@ -124,6 +159,9 @@ def test_training_flops_count_each_recursion_exactly():
     (["--arch", "recursion", "--recursion-capacities", "1,0.5"], "--recursion-capacities needs 3 values"),
     (["--arch", "recursion", "--recursion-capacities", "0.5,1,0.2"], "must not increase"),
     (["--recursions", "2"], "--recursions is an option of --arch recursion"),
+    (["--arch", "recursion", "--recursion-update", "add"], "--recursion-update must be one of published, delta"),
+    (["--arch", "recursion", "--recursion-alpha", "0"], "--recursion-alpha must be positive"),
+    (["--recursion-alpha", "0.5"], "--recursion-alpha is an option of --arch recursion"),
 ])
 def test_bad_recursion_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
     result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"),

@@ -14,6 +14,9 @@ from fractions import Fraction
 from modcli.errors import UserError
 from modcli.models.families.base import Family
 
+RECURSION_UPDATES = ("published", "delta")
+"""--recursion-update: how a step writes its tokens back (modcli.models.recursion)."""
+
 
 @dataclass(frozen=True)
 class Recursion(Family):
@@ -24,6 +27,11 @@ class Recursion(Family):
         if layers < 2 + n or (layers - 2) % n:
             raise UserError(f"--n-layers ({layers}) must be 2 + --recursions ({n}) x the shared blocks (unique first "
                             f"and last blocks), e.g. {2 + 2 * n}")
+        if config.recursion_update not in RECURSION_UPDATES:
+            raise UserError(f"--recursion-update must be one of {', '.join(RECURSION_UPDATES)}, got "
+                            f"{config.recursion_update!r}")
+        if not config.recursion_alpha > 0:
+            raise UserError(f"--recursion-alpha must be positive, got {config.recursion_alpha}")
         caps = config.recursion_capacities
         if caps is not None:
             if len(caps) != n:
@@ -69,7 +77,8 @@ RECURSION = Recursion(
     "recursion", "modcli.models.recursion:RecursionDecoder",
     "Mixture-of-Recursions: unique first and last blocks, a shared stack applied --recursions times, expert-choice "
     "routing keeping a shrinking share of the tokens per step, recursion-wise KV cache",
-    options=("recursions", "recursion_capacities"), aux_losses=("routing",), mod_routing=False, experts=False,
+    options=("recursions", "recursion_capacities", "recursion_update", "recursion_alpha"), aux_losses=("routing",),
+    mod_routing=False, experts=False,
     exportable=False, router_fields=("router_weight", "predictor_hidden"),
     export_note="its decode step keeps one KV cache per recursion step, which a bundle's one-cache-per-block layout "
                 "does not describe")

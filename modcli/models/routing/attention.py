@@ -1,13 +1,17 @@
 """`attention`: A-MoD (Gadhikar et al., 2024, "Attention Is All You Need For Mixture-of-Depths Routing").
 
-No router parameters: a token's score is the attention it received in the block before, which must be dense. In a
-causal decoder a token j is seen by the n - j queries at or after it, so the score is the attention it received
-summed over those queries and divided by their number, averaged over heads (without the division, early tokens
-would win for being seen more often). That block computes its attention probabilities explicitly (no fused
-kernel) in the full-sequence mode only. Training keeps the top k = capacity x T scores of each sequence (non-causal:
-later queries contribute). Decoding cannot know what later tokens will attend to, so the causal rule is a predictor
-MLP on a stop-gradient copy of the block input, trained against the top-k choice (paper method 2 of
-Mixture-of-Depths); the router weight is 1.
+No router parameters: a token's score is the attention it received in the block before, which must be dense. The
+paper's ViTs attend bidirectionally; in a causal decoder the raw attention is biased by position twice: token j is
+seen only by the n - j queries at or after it, and query i spreads its weight over i + 1 tokens, so an early
+token takes its share of the short, heavy rows (under uniform attention, dividing the sum by n - j still scores
+position 0 5.4x position 127 of 128, and top-k is positions 0..k-1). The score is therefore position-neutral:
+query i's attention row is divided by its uniform share 1 / (i + 1), the ratios are averaged over the n - j
+queries that see token j, then over heads, so uniform attention scores every token 1 (`Attention.forward`,
+modcli.models.decoder; the histogram of selected positions of a trained model is in docs/families.md). That
+block computes its attention probabilities explicitly (no fused kernel) in the full-sequence mode only. Training
+keeps the top k = capacity x T scores of each sequence (non-causal: later queries contribute). Decoding cannot
+know what later tokens will attend to, so the causal rule is a predictor MLP on a stop-gradient copy of the block
+input, trained against the top-k choice (paper method 2 of Mixture-of-Depths); the router weight is 1.
 """
 
 from __future__ import annotations

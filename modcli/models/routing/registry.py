@@ -44,7 +44,8 @@ ROUTERS: dict[str, RouterSpec] = {spec.kind: spec for spec in (
                options=("threshold", "capacity_max")),
     RouterSpec("attention", "modcli.models.routing.attention:AttentionRouter",
                "A-MoD: top-k of the attention each token received in the dense block before; decodes with a predictor",
-               has_parameters=False, reads_previous_attention=True, decodes_with_predictor=True),
+               options=("attention_score",), has_parameters=False, reads_previous_attention=True,
+               decodes_with_predictor=True),
 )}
 
 INTEGRATED = RouterSpec("integrated", None, "integrated MoDE: no-op experts in the routed blocks' MoE (no token "
