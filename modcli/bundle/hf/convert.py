@@ -137,6 +137,7 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
         "router_hidden": config.router_hidden, "predictor_hidden": config.predictor_hidden,
         "keep_first": config.keep_first, "capacity": config.capacity, "experts": config.experts,
         "expert_top_k": config.expert_top_k, "noop_layers": config.noop_layers(), "noop_experts": config.noop_experts,
+        "expert_weight": config.expert_weight,
         "route_decision": "score", "route_cut": 0.0, "route_score": False,
     }
     routers = [block.router for block in model.blocks if block.router is not None]

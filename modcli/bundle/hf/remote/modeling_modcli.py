@@ -196,13 +196,15 @@ class SwiGLU(nn.Module):
 
 class MoEMLP(nn.Module):
     """Token-choice top-k over the real experts and `noop_experts` that do nothing; a token's update is the sum of
-    its chosen real experts' outputs times their gate probabilities (softmax over all experts, not renormalised).
+    its chosen real experts' outputs times their gate probabilities (softmax over all experts, not renormalised), or
+    times 1 where the run trained with `expert_weight = "unit"`.
     Each real expert runs on exactly the tokens that chose it; a token whose choices are all no-op skips the MLP."""
 
     def __init__(self, config: ModcliConfig, noop_experts: int) -> None:
         super().__init__()
         d_model, hidden = config.hidden_size, config.intermediate_size
         self.experts, self.top_k = config.experts, config.expert_top_k
+        self.unit_weight = config.expert_weight == "unit"
         self.gate = nn.Linear(d_model, config.experts + noop_experts, bias=False)
         self.gate_up = nn.Parameter(torch.zeros(config.experts, d_model, 2 * hidden))  # (E, D, 2H)
         self.down = nn.Parameter(torch.zeros(config.experts, hidden, d_model))  # (E, H, D)
@@ -211,6 +213,8 @@ class MoEMLP(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # (N, D)
         weight, choice = self.gate(tokens).float().softmax(dim=-1).topk(self.top_k, dim=-1)  # (N, K)
+        if self.unit_weight:
+            weight = torch.ones_like(weight)
         flat_choice, flat_weight = choice.reshape(-1), weight.reshape(-1)  # (N K,)
         token_of = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)  # (N K,)
         order = flat_choice.argsort(stable=True)  # choices grouped by expert, no-op experts last
