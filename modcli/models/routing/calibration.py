@@ -13,31 +13,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from modcli.models.routing.base import RoutingRecord
 
+def _calibrating_hook(capacity: float, calibrated: list[bool]):
+    """A forward pre-hook for a routed block: it runs the block once on its input (the hook stands aside for that
+    call), calibrates the block's router on that pass's record, and lets the block's own forward run with the
+    shifted router, so every later block sees the calibrated decisions of the blocks before it."""
+    busy = False
 
-class _Enough(Exception):
-    """Raised by a forward hook once the routed block being calibrated has run: the blocks after it are not needed."""
+    def hook(block, args, kwargs):
+        nonlocal busy
+        if busy:
+            return None
+        busy = True
+        try:
+            _, record = block(*args, **kwargs)
+        finally:
+            busy = False
+        calibrated.append(record.router.calibrate(record, capacity))
+        return None
 
-
-def _record_of(model, tokens: Tensor, mode: str, index: int) -> RoutingRecord:
-    """The `index`-th routing record of a causal forward of `model` in `mode`, running the model only as far as
-    that routed block."""
-    routed = [block for block in model.blocks if getattr(block, "router", None) is not None]
-    found: list[RoutingRecord] = []
-
-    def stop(module, args, output) -> None:
-        found.append(output[1])
-        raise _Enough
-
-    handle = routed[index].register_forward_hook(stop)
-    try:
-        model(tokens, mode, return_aux=True)
-    except _Enough:
-        pass
-    finally:
-        handle.remove()
-    return found[0]
+    return hook
 
 
 @torch.no_grad()
@@ -62,12 +57,16 @@ def calibrate_causal_rules(model, tokens: Tensor, capacity: float | None = None)
     was_training = model.training
     model.eval()
     try:
-        calibrated = False
-        routed = sum(getattr(block, "router", None) is not None for block in model.blocks)
+        calibrated: list[bool] = []
+        routed = [block for block in model.blocks if getattr(block, "router", None) is not None]
         for mode in model.causal_modes():
-            for index in range(routed):
-                record = _record_of(model, tokens, mode, index)
-                calibrated |= record.router.calibrate(record, capacity)
-        return processed_shares(model, tokens) if calibrated else None
+            hooks = [block.register_forward_pre_hook(_calibrating_hook(capacity, calibrated), with_kwargs=True)
+                     for block in routed]
+            try:
+                model(tokens, mode, return_aux=True)
+            finally:
+                for handle in hooks:
+                    handle.remove()
+        return processed_shares(model, tokens) if any(calibrated) else None
     finally:
         model.train(was_training)
