@@ -94,7 +94,8 @@ def flag_value(flags: str, name: str, default: str) -> str:
 def collect(results: Path, more: list[Path] = ()) -> tuple[dict, list[dict]]:
     raw = results / "raw"
     run = read_json(raw / "run.json")
-    run["wall_s_each"] = [run["wall_s"], *(read_json(other / "raw" / "run.json")["wall_s"] for other in more)]
+    run["wall_s_each"] = [run["wall_s"], *(read_json(other / "raw" / "run.json")["wall_s"]
+                                           if (other / "raw" / "run.json").is_file() else None for other in more)]
     dense = {"recipe": "dense", "routing": "dense", "flags": "", **quality(raw / "dense", None)}
     rows = [dense]
     for raw, (name, modes, flags) in [(folder / "raw", recipe) for folder in (results, *more)
@@ -111,7 +112,9 @@ def collect(results: Path, more: list[Path] = ()) -> tuple[dict, list[dict]]:
             row.update(quality(raw / f"{name}.{mode}", mode))
             for corpus in CORPORA:
                 row[f"loss_increase_pct_{corpus}"] = 100 * (row[f"loss_{corpus}"] / dense[f"loss_{corpus}"] - 1)
-            row.update(speed(read_json(raw / f"{name}.{mode}.profile.json")))
+            profile = raw / f"{name}.{mode}.profile.json"
+            row.update(speed(read_json(profile)) if profile.is_file() and profile.stat().st_size else
+                       {"profiled_seq_lens": []})  # a run stopped before its profile: quality only
             long_profile = raw / f"{name}.{mode}.profile-long.json"
             if long_profile.is_file():
                 long = speed(read_json(long_profile))
@@ -124,9 +127,9 @@ def collect(results: Path, more: list[Path] = ()) -> tuple[dict, list[dict]]:
                 row["export_valid"] = exported.get("valid")
                 row["runtime_texts"] = runtime["texts"]
                 row["runtime_equals_generate"] = runtime["texts"] == row["greedy_texts"]
-            t = max(row["profiled_seq_lens"])
+            t = max(row["profiled_seq_lens"], default=None)
             row["goal_met"] = bool(
-                row[f"decode_speedup_T{t}"] >= GOAL_SPEEDUP and row[f"prefill_speedup_T{t}"] >= GOAL_SPEEDUP
+                t is not None and row[f"decode_speedup_T{t}"] >= GOAL_SPEEDUP and row[f"prefill_speedup_T{t}"] >= GOAL_SPEEDUP
                 and all(row[f"loss_increase_pct_{c}"] <= GOAL_LOSS_INCREASE_PCT for c in CORPORA)
                 and row[f"kv_cache_ratio_T{t}"] <= GOAL_KV_CACHE)
             rows.append(row)
@@ -139,7 +142,8 @@ def percent(value: float | None) -> str:
 
 def table(run: dict, rows: list[dict]) -> str:
     dense, points = rows[0], rows[1:]
-    lengths = points[0]["profiled_seq_lens"] if points else []
+    profiled = [row for row in points if row["profiled_seq_lens"]]
+    lengths = profiled[0]["profiled_seq_lens"] if profiled else []
     settings = run["settings"]
     lines = [
         f"SmolLM2-135M-Instruct ({run['gguf']}) converted by {len(points)} recipe/mode points; "
@@ -147,13 +151,13 @@ def table(run: dict, rows: list[dict]) -> str:
         f"losses (nats/token) on {settings['eval_windows']} windows of {settings['seq_len']} tokens per corpus, "
         f"causal routing; speed-ups = dense median latency / converted, batch 1, "
         f"{settings['profile_repeats']} repeats, interleaved; script wall time "
-        f"{' s and '.join(str(wall) for wall in run['wall_s_each'])} s"
+        f"{' s and '.join('?' if wall is None else str(wall) for wall in run['wall_s_each'])} s"
         f"{' (runs side by side)' if len(run['wall_s_each']) > 1 else ''}.",
         "",
         f"Dense: stdlib {dense['loss_stdlib']:.4f}, prose {dense['loss_prose']:.4f}"
-        + "".join(f"; T {t}: prefill {points[0][f'dense_prefill_ms_T{t}']:.0f} ms, decode step "
-                  f"{points[0][f'dense_decode_ms_T{t}']:.1f} ms" for t in lengths)
-        + (" (as timed beside the first point)." if points else "."),
+        + "".join(f"; T {t}: prefill {profiled[0][f'dense_prefill_ms_T{t}']:.0f} ms, decode step "
+                  f"{profiled[0][f'dense_decode_ms_T{t}']:.1f} ms" for t in lengths)
+        + (" (as timed beside the first profiled point)." if profiled else "."),
         "",
     ]
     header = ["recipe", "mode", "steps (objective), train s", "stdlib loss (Δ)", "prose loss (Δ)", "processed"]
@@ -167,9 +171,12 @@ def table(run: dict, rows: list[dict]) -> str:
             cells.append(f"{row[f'loss_{corpus}']:.4f} ({row[f'loss_increase_pct_{corpus}']:+.1f}%)")
         cells.append(f"{percent(row['processed_fraction_stdlib'])} / {percent(row['processed_fraction_prose'])}")
         for t in lengths:
+            if not row["profiled_seq_lens"]:
+                cells += ["-", "-"]
+                continue
             cells.append(f"{row[f'prefill_speedup_T{t}']:.2f} ({row[f'prefill_speedup_ideal_T{t}']:.2f})")
             cells.append(f"{row[f'decode_speedup_T{t}']:.2f} ({row[f'decode_speedup_ideal_T{t}']:.2f})")
-        cells.append(f"{row[f'kv_cache_ratio_T{lengths[-1]}']:.2f}")
+        cells.append(f"{row[f'kv_cache_ratio_T{lengths[-1]}']:.2f}" if row["profiled_seq_lens"] else "-")
         cells.append("yes" if row["goal_met"] else "no")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
@@ -219,7 +226,7 @@ def figure(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    points = rows[1:]
+    points = [row for row in rows[1:] if row["profiled_seq_lens"]]
     t = max(points[0]["profiled_seq_lens"])
     fig, ax = plt.subplots(figsize=(11, 5.5))
     ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--", label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
@@ -261,7 +268,7 @@ def main() -> None:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     (results / "table.md").write_text(table(run, rows))
-    if len(rows) > 1:
+    if any(row.get("profiled_seq_lens") for row in rows[1:]):
         figure(rows, results / "frontier.png")
     print((results / "table.md").read_text())
 
