@@ -106,10 +106,10 @@ printf '%s\n' "$RECIPES" > "$RAW/recipes.txt"
 while IFS='|' read -r name modes flags; do
   [ -n "$name" ] || continue
   run=$WORK/$name
-  log "$name: train ($STEPS steps x $BATCH x $SEQ_LEN tokens): $flags"
+  steps=$(grep -o -- '--max-steps [0-9]*' <<< "$flags" | tail -1 | cut -d' ' -f2 || true)
+  log "$name: train (${steps:-$STEPS} steps x $BATCH x $SEQ_LEN tokens): $flags"
   rm -rf "$run"
   # shellcheck disable=SC2086  # the recipe's flags are words
-  steps=$(grep -o -- '--max-steps [0-9]*' <<< "$flags" | tail -1 | cut -d' ' -f2 || true)
   "$MODCLI" train --init-from "$DENSE" --max-steps "$STEPS" --batch-size "$BATCH" --warmup "$WARMUP" \
     --eval-every "${steps:-$STEPS}" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json $flags \
     > "$RAW/$name.train.json" < /dev/null
