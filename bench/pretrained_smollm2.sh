@@ -7,15 +7,20 @@
 #      norms, train); per causal routing mode of the recipe: `modcli eval` on the built-in stdlib code corpus and on
 #      prose (/usr/share/common-licenses), the same windows as the dense model's; `modcli profile --compare DENSE`
 #      (causal prefill and decode step at $PROFILE_SEQ_LENS, KV cache bytes); greedy text of $PROMPTS;
-#   4. bench/pretrained_smollm2_report.py: results.jsonl, table.md and frontier.png under $RESULTS.
+#   4. for the recipes named in $LONG_RECIPES, a second profile at $LONG_SEQ_LEN (long context);
+#   5. for $EXPORT_RECIPE: `modcli export` of the converted model (ONNX, validated against eager PyTorch) and the
+#      greedy text of `modcli-run` on the bundle beside `modcli generate`'s (must be equal);
+#   6. bench/pretrained_smollm2_report.py: results.jsonl, table.md and frontier.png under $RESULTS.
 #
 #   bench/pretrained_smollm2.sh                                   # the defaults below
 #   STEPS=20 BATCH=2 RECIPES_FILE=my_recipes.txt bench/pretrained_smollm2.sh
 #
 # Every setting below can be overridden from the environment. A recipe is one line "NAME|MODES|TRAIN FLAGS":
 # MODES are the causal routing modes to measure (comma-separated: router, predictor), TRAIN FLAGS go to
-# `modcli train --init-from DENSE` after the common ones (steps, batch, warm-up, output). RECIPES_FILE (lines in the
-# same form, # comments) replaces the default list. Raw JSON of every command goes to $RESULTS/raw/; runs (0.5 GB
+# `modcli train --init-from DENSE` after the common ones (steps, batch, warm-up, output), so a recipe's own
+# --max-steps or --capacity-warmup wins. A conversion calibrates its causal rules to --capacity on the first batch
+# (--calibrate, the default of --init-from). RECIPES_FILE (lines in the same form, # comments) replaces the default
+# list. The dense model is measured once per $RESULTS (kept when its raw files are there). Raw JSON of every command goes to $RESULTS/raw/; runs (0.5 GB
 # each) to $WORK. Each profile first waits (at most $QUIET_WAIT_S s) for a quiet CPU: other processes disturb CPU
 # timings.
 set -euo pipefail
@@ -31,6 +36,9 @@ EVAL_BATCH_SIZE=${EVAL_BATCH_SIZE:-4}
 PROSE=${PROSE:-/usr/share/common-licenses}
 PROFILE_SEQ_LENS=${PROFILE_SEQ_LENS:-256,1024}
 PROFILE_REPEATS=${PROFILE_REPEATS:-3}
+LONG_SEQ_LEN=${LONG_SEQ_LEN:-4096}      # the long-context profile (the model's context is 8192)
+LONG_RECIPES=${LONG_RECIPES:-}          # comma-separated recipe names profiled at $LONG_SEQ_LEN too
+EXPORT_RECIPE=${EXPORT_RECIPE:-}        # the recipe whose converted model is exported and run by modcli-run
 DECODE_TOKENS=${DECODE_TOKENS:-32}
 QUIET_WAIT_S=${QUIET_WAIT_S:-30}
 GEN_TOKENS=${GEN_TOKENS:-32}
@@ -41,10 +49,11 @@ PY=${PY:-python}
 MODCLI=${MODCLI:-modcli}
 
 read -r -d '' DEFAULT_RECIPES <<EOF || true
-topk-attn-c0.875|router,predictor|--router topk --capacity 0.875 --route-part attention --trainable routers --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP
-topk-attn-c0.75-norms|router|--router topk --capacity 0.75 --route-part attention --trainable routers+norms --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP
-threshold-attn-c0.75|router|--router threshold --capacity 0.75 --route-part attention --trainable routers --lr 3e-3
-topk-attn-all-c0.5|router|--router topk --capacity 0.5 --route-part attention --route-every 1 --trainable routers --lr 3e-3 --capacity-warmup $CAPACITY_WARMUP
+topk-attn-c0.875|router,predictor|--router topk --capacity 0.875 --route-part attention --trainable routers --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP --keep-first 1
+topk-attn-c0.875-bm|router,predictor|--router topk --capacity 0.875 --route-part attention --trainable routers --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP --keep-first 1 --objective block-match
+threshold-attn-c0.75-bm|router|--router threshold --capacity 0.75 --route-part attention --trainable routers --lr 3e-3 --keep-first 1 --objective block-match
+topk-mlp-c0.75-bm|router|--router topk --capacity 0.75 --route-part mlp --trainable routers --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP --keep-first 1 --objective block-match
+topk-block-c0.875-bm|router|--router topk --capacity 0.875 --route-part block --trainable routers --lr 1e-3 --capacity-warmup $CAPACITY_WARMUP --keep-first 1 --objective block-match
 EOF
 if [ -n "${RECIPES_FILE:-}" ]; then
   RECIPES=$(grep -v '^\s*\(#\|$\)' "$RECIPES_FILE")
@@ -88,18 +97,21 @@ measure_quality() {  # RUN OUT_PREFIX [--routing MODE]: eval on both corpora, gr
     > "$prefix.generate.json"
 }
 
-log "dense: eval (stdlib, prose) and greedy text"
-measure_quality "$DENSE" "$RAW/dense"
+if [ ! -s "$RAW/dense.generate.json" ]; then
+  log "dense: eval (stdlib, prose) and greedy text"
+  measure_quality "$DENSE" "$RAW/dense"
+fi
 
 printf '%s\n' "$RECIPES" > "$RAW/recipes.txt"
 while IFS='|' read -r name modes flags; do
   [ -n "$name" ] || continue
   run=$WORK/$name
-  log "$name: train ($STEPS steps x $BATCH x $SEQ_LEN tokens): $flags"
+  steps=$(grep -o -- '--max-steps [0-9]*' <<< "$flags" | tail -1 | cut -d' ' -f2 || true)
+  log "$name: train (${steps:-$STEPS} steps x $BATCH x $SEQ_LEN tokens): $flags"
   rm -rf "$run"
   # shellcheck disable=SC2086  # the recipe's flags are words
-  "$MODCLI" train --init-from "$DENSE" $flags --max-steps "$STEPS" --batch-size "$BATCH" --warmup "$WARMUP" \
-    --eval-every "$STEPS" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json \
+  "$MODCLI" train --init-from "$DENSE" --max-steps "$STEPS" --batch-size "$BATCH" --warmup "$WARMUP" \
+    --eval-every "${steps:-$STEPS}" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json $flags \
     > "$RAW/$name.train.json" < /dev/null
   cp "$run/metrics.jsonl" "$RAW/$name.metrics.jsonl"
   IFS=',' read -r -a mode_list <<< "$modes"
@@ -111,7 +123,29 @@ while IFS='|' read -r name modes flags; do
     "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$PROFILE_SEQ_LENS" --batch-size 1 \
       --measure decode --repeats "$PROFILE_REPEATS" --decode-tokens "$DECODE_TOKENS" --no-memory --json \
       > "$RAW/$name.$mode.profile.json" < /dev/null
+    if [[ ",$LONG_RECIPES," == *",$name,"* ]]; then
+      log "$name ($mode): profile against dense at T = $LONG_SEQ_LEN"
+      "$PY" bench/wait_quiet.py --max-wait "$QUIET_WAIT_S" < /dev/null || true
+      "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$LONG_SEQ_LEN" --batch-size 1 \
+        --measure decode --repeats "$PROFILE_REPEATS" --decode-tokens "$DECODE_TOKENS" --no-memory --json \
+        > "$RAW/$name.$mode.profile-long.json" < /dev/null
+    fi
   done
+  if [ "$name" = "$EXPORT_RECIPE" ]; then
+    mode=${mode_list[0]}
+    log "$name: export (ONNX, $mode decode routing) and modcli-run's greedy text"
+    "$MODCLI" export "$run" --out "$WORK/$name.bundle" --routing "$mode" --force --json \
+      > "$RAW/$name.export.json" < /dev/null
+    "${MODCLI}-run" "$WORK/$name.bundle" "${prompt_flags[@]}" --temperature 0 --max-new-tokens "$GEN_TOKENS" \
+      --json > "$RAW/$name.runtime.json" < /dev/null
+    "$PY" - "$RAW/$name.$mode.generate.json" "$RAW/$name.runtime.json" <<'EOF'
+import json, sys
+want, got = (json.load(open(path)) for path in sys.argv[1:])
+same = want["texts"] == got["texts"]
+print(f"modcli-run's greedy text {'equals' if same else 'DIFFERS from'} modcli generate's", file=sys.stderr)
+sys.exit(0 if same else 1)
+EOF
+  fi
 done <<< "$RECIPES"
 
 wall_s=$(( SECONDS - start_s ))
@@ -119,7 +153,8 @@ wall_s=$(( SECONDS - start_s ))
 import json, os, platform, sys
 settings = dict(steps=$STEPS, batch=$BATCH, warmup=$WARMUP, capacity_warmup=$CAPACITY_WARMUP, seq_len=$SEQ_LEN,
                 eval_windows=$EVAL_BATCHES * $EVAL_BATCH_SIZE, prose="$PROSE", profile_seq_lens="$PROFILE_SEQ_LENS",
-                profile_repeats=$PROFILE_REPEATS, decode_tokens=$DECODE_TOKENS, gen_tokens=$GEN_TOKENS)
+                profile_repeats=$PROFILE_REPEATS, decode_tokens=$DECODE_TOKENS, gen_tokens=$GEN_TOKENS,
+                long_seq_len=$LONG_SEQ_LEN, long_recipes="$LONG_RECIPES", export_recipe="$EXPORT_RECIPE")
 record = dict(wall_s=int(sys.argv[2]), settings=settings, gguf="$(basename "$GGUF")", machine=platform.machine(),
               cpus=os.cpu_count(), load_avg_end=os.getloadavg())
 open(sys.argv[1], "w").write(json.dumps(record, indent=1) + "\n")

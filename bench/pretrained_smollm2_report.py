@@ -1,11 +1,14 @@
 """The report of bench/pretrained_smollm2.sh: results.jsonl, table.md and frontier.png from its raw JSON.
 
-    python bench/pretrained_smollm2_report.py bench/results/smollm2
+    python bench/pretrained_smollm2_report.py bench/results/smollm2 [MORE_RESULTS ...]
 
 Reads RESULTS/raw/ (recipes.txt, run.json, dense.*.json and NAME.MODE.{eval-stdlib,eval-prose,generate,profile}.json
-with NAME.train.json) and writes one JSON object a line per measured point (the dense model first) to
-RESULTS/results.jsonl, the Markdown table RESULTS/table.md and the figure RESULTS/frontier.png (loss increase on
-both corpora against the decode-step speed-up at the longest profiled length). A speed-up is the dense model's
+with NAME.train.json; where present NAME.MODE.profile-long.json, the long-context profile, and NAME.export.json with
+NAME.runtime.json, the exported bundle and modcli-run's greedy text), then the recipes of each MORE_RESULTS/raw/ (runs
+of the script side by side, their dense model measured in RESULTS), and writes one JSON object a line per measured
+point (the dense model first) to RESULTS/results.jsonl, the Markdown table RESULTS/table.md and the figure
+RESULTS/frontier.png (loss increase on both corpora against the decode-step speed-up at the longest profiled length
+of the main profile). A speed-up is the dense model's
 median latency over the converted model's, both timed interleaved in the same `modcli profile` call.
 """
 
@@ -81,24 +84,52 @@ def speed(profile: dict) -> dict:
     return row
 
 
-def collect(results: Path) -> tuple[dict, list[dict]]:
+def flag_value(flags: str, name: str, default: str) -> str:
+    """The value of the last `name` flag in a recipe's train flags, else `default`."""
+    words = flags.split()
+    found = [words[i + 1] for i, word in enumerate(words[:-1]) if word == name]
+    return found[-1] if found else default
+
+
+def collect(results: Path, more: list[Path] = ()) -> tuple[dict, list[dict]]:
     raw = results / "raw"
     run = read_json(raw / "run.json")
+    run["wall_s_each"] = [run["wall_s"], *(read_json(other / "raw" / "run.json")["wall_s"]
+                                           if (other / "raw" / "run.json").is_file() else None for other in more)]
     dense = {"recipe": "dense", "routing": "dense", "flags": "", **quality(raw / "dense", None)}
     rows = [dense]
-    for name, modes, flags in recipes(raw):
+    for raw, (name, modes, flags) in [(folder / "raw", recipe) for folder in (results, *more)
+                                      for recipe in recipes(folder / "raw")]:
         trained = read_json(raw / f"{name}.train.json")
         for mode in modes:
+            calibration = (trained.get("calibration") or {}).get(mode)
             row = {"recipe": name, "routing": mode, "flags": flags, "steps": trained["steps"],
+                   "objective": flag_value(flags, "--objective", "lm"),
                    "train_wall_s": trained["wall_time_s"], "train_loss": trained["train_loss"],
-                   "train_val_loss": trained["val_losses"].get(mode), "init_val_loss": trained["init_val_loss"]}
+                   "train_val_loss": trained["val_losses"].get(mode), "init_val_loss": trained["init_val_loss"],
+                   "calibrated_processed_fraction": (sum(calibration.values()) / len(calibration)
+                                                     if calibration else None)}
             row.update(quality(raw / f"{name}.{mode}", mode))
             for corpus in CORPORA:
                 row[f"loss_increase_pct_{corpus}"] = 100 * (row[f"loss_{corpus}"] / dense[f"loss_{corpus}"] - 1)
-            row.update(speed(read_json(raw / f"{name}.{mode}.profile.json")))
-            t = max(row["profiled_seq_lens"])
+            profile = raw / f"{name}.{mode}.profile.json"
+            row.update(speed(read_json(profile)) if profile.is_file() and profile.stat().st_size else
+                       {"profiled_seq_lens": []})  # a run stopped before its profile: quality only
+            long_profile = raw / f"{name}.{mode}.profile-long.json"
+            if long_profile.is_file():
+                long = speed(read_json(long_profile))
+                row["long_seq_lens"] = long.pop("profiled_seq_lens")
+                row["long_profile_load_avg"] = long.pop("profile_load_avg")
+                row.update(long)
+            if (raw / f"{name}.export.json").is_file():
+                exported = read_json(raw / f"{name}.export.json")
+                runtime = read_json(raw / f"{name}.runtime.json")
+                row["export_valid"] = exported.get("valid")
+                row["runtime_texts"] = runtime["texts"]
+                row["runtime_equals_generate"] = runtime["texts"] == row["greedy_texts"]
+            t = max(row["profiled_seq_lens"], default=None)
             row["goal_met"] = bool(
-                row[f"decode_speedup_T{t}"] >= GOAL_SPEEDUP and row[f"prefill_speedup_T{t}"] >= GOAL_SPEEDUP
+                t is not None and row[f"decode_speedup_T{t}"] >= GOAL_SPEEDUP and row[f"prefill_speedup_T{t}"] >= GOAL_SPEEDUP
                 and all(row[f"loss_increase_pct_{c}"] <= GOAL_LOSS_INCREASE_PCT for c in CORPORA)
                 and row[f"kv_cache_ratio_T{t}"] <= GOAL_KV_CACHE)
             rows.append(row)
@@ -111,35 +142,41 @@ def percent(value: float | None) -> str:
 
 def table(run: dict, rows: list[dict]) -> str:
     dense, points = rows[0], rows[1:]
-    lengths = points[0]["profiled_seq_lens"] if points else []
+    profiled = [row for row in points if row["profiled_seq_lens"]]
+    lengths = profiled[0]["profiled_seq_lens"] if profiled else []
     settings = run["settings"]
     lines = [
         f"SmolLM2-135M-Instruct ({run['gguf']}) converted by {len(points)} recipe/mode points; "
-        f"{settings['steps']} steps x batch {settings['batch']} x {settings['seq_len']} tokens each; "
+        f"the steps of each (batch {settings['batch']} x {settings['seq_len']} tokens) in the table; "
         f"losses (nats/token) on {settings['eval_windows']} windows of {settings['seq_len']} tokens per corpus, "
         f"causal routing; speed-ups = dense median latency / converted, batch 1, "
-        f"{settings['profile_repeats']} repeats, interleaved; script wall time {run['wall_s']} s.",
+        f"{settings['profile_repeats']} repeats, interleaved; script wall time "
+        f"{' s and '.join('?' if wall is None else str(wall) for wall in run['wall_s_each'])} s"
+        f"{' (runs side by side)' if len(run['wall_s_each']) > 1 else ''}.",
         "",
         f"Dense: stdlib {dense['loss_stdlib']:.4f}, prose {dense['loss_prose']:.4f}"
-        + "".join(f"; T {t}: prefill {points[0][f'dense_prefill_ms_T{t}']:.0f} ms, decode step "
-                  f"{points[0][f'dense_decode_ms_T{t}']:.1f} ms" for t in lengths)
-        + (" (as timed beside the first point)." if points else "."),
+        + "".join(f"; T {t}: prefill {profiled[0][f'dense_prefill_ms_T{t}']:.0f} ms, decode step "
+                  f"{profiled[0][f'dense_decode_ms_T{t}']:.1f} ms" for t in lengths)
+        + (" (as timed beside the first profiled point)." if profiled else "."),
         "",
     ]
-    header = ["recipe", "mode", "stdlib loss (Δ)", "prose loss (Δ)", "processed"]
+    header = ["recipe", "mode", "steps (objective), train s", "stdlib loss (Δ)", "prose loss (Δ)", "processed"]
     for t in lengths:
         header += [f"prefill x T{t}", f"decode x T{t}"]
     header += [f"KV T{lengths[-1]}" if lengths else "KV", "goal"]
     lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in points:
-        cells = [row["recipe"], row["routing"]]
+        cells = [row["recipe"], row["routing"], f"{row['steps']} ({row['objective']}), {row['train_wall_s']:.0f}"]
         for corpus in CORPORA:
             cells.append(f"{row[f'loss_{corpus}']:.4f} ({row[f'loss_increase_pct_{corpus}']:+.1f}%)")
         cells.append(f"{percent(row['processed_fraction_stdlib'])} / {percent(row['processed_fraction_prose'])}")
         for t in lengths:
+            if not row["profiled_seq_lens"]:
+                cells += ["-", "-"]
+                continue
             cells.append(f"{row[f'prefill_speedup_T{t}']:.2f} ({row[f'prefill_speedup_ideal_T{t}']:.2f})")
             cells.append(f"{row[f'decode_speedup_T{t}']:.2f} ({row[f'decode_speedup_ideal_T{t}']:.2f})")
-        cells.append(f"{row[f'kv_cache_ratio_T{lengths[-1]}']:.2f}")
+        cells.append(f"{row[f'kv_cache_ratio_T{lengths[-1]}']:.2f}" if row["profiled_seq_lens"] else "-")
         cells.append("yes" if row["goal_met"] else "no")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
@@ -150,6 +187,27 @@ def table(run: dict, rows: list[dict]) -> str:
         f">= {GOAL_SPEEDUP}x prefill and decode at the longest T, loss within {GOAL_LOSS_INCREASE_PCT:g}% on both "
         f"corpora, KV cache <= {GOAL_KV_CACHE}x.",
         "",
+    ]
+    long_rows = [row for row in points if row.get("long_seq_lens")]
+    if long_rows:
+        lines += ["Long context (a second profile, batch 1):", "",
+                  "| recipe | mode | T | prefill x | decode x | KV | dense prefill ms | dense decode ms | load avg |",
+                  "|" + " --- |" * 9]
+        for row in long_rows:
+            for t in row["long_seq_lens"]:
+                lines.append(
+                    f"| {row['recipe']} | {row['routing']} | {t} | {row[f'prefill_speedup_T{t}']:.2f} "
+                    f"({row[f'prefill_speedup_ideal_T{t}']:.2f}) | {row[f'decode_speedup_T{t}']:.2f} "
+                    f"({row[f'decode_speedup_ideal_T{t}']:.2f}) | {row[f'kv_cache_ratio_T{t}']:.2f} | "
+                    f"{row[f'dense_prefill_ms_T{t}']:.0f} | {row[f'dense_decode_ms_T{t}']:.1f} | "
+                    f"{row['long_profile_load_avg'][0][0]:.1f} / {row['long_profile_load_avg'][1][0]:.1f} |")
+        lines.append("")
+    for row in points:
+        if "export_valid" in row:
+            lines += [f"Export of {row['recipe']}: bundle valid {row['export_valid']}; modcli-run's greedy text "
+                      f"{'equals' if row['runtime_equals_generate'] else 'differs from'} modcli generate's "
+                      f"({row['routing']} routing).", ""]
+    lines += [
         "Greedy text (first prompt, then second; newlines as ⏎):",
         "",
         "| recipe | mode | " + " | ".join(f"prompt {i + 1}" for i in range(len(dense["greedy_texts"]))) + " |",
@@ -168,7 +226,7 @@ def figure(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    points = rows[1:]
+    points = [row for row in rows[1:] if row["profiled_seq_lens"]]
     t = max(points[0]["profiled_seq_lens"])
     fig, ax = plt.subplots(figsize=(11, 5.5))
     ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--", label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
@@ -205,12 +263,12 @@ def figure(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     results = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/smollm2")
-    run, rows = collect(results)
+    run, rows = collect(results, [Path(folder) for folder in sys.argv[2:]])
     with (results / "results.jsonl").open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     (results / "table.md").write_text(table(run, rows))
-    if len(rows) > 1:
+    if any(row.get("profiled_seq_lens") for row in rows[1:]):
         figure(rows, results / "frontier.png")
     print((results / "table.md").read_text())
 

@@ -21,6 +21,7 @@ ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRAINABLE = ("all", "routers", "routers+norms")
+OBJECTIVES = ("lm", "block-match")
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
                 "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts")
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
@@ -432,6 +433,15 @@ class TrainConfig:
     with the routing flags given; routers are new. The shape flags must match it."""
     trainable: str = "all"
     """Which parameters train: all, routers (routers and predictors only; the rest frozen) or routers+norms."""
+    calibrate: bool = False
+    """Before the first step, shift each router's (and predictor's) decision boundary so that on the first training
+    batch every routed block's causal rule keeps about --capacity of the tokens (a new router's logits sit near 0, so
+    "logit > 0" keeps about half whatever --capacity says); the default with --init-from."""
+    objective: str = "lm"
+    """The training loss: lm (next-token cross-entropy, backward through the whole model) or block-match (each routed
+    block's output matched to the dense block's on the dense model's input to it, relative squared error; one forward
+    and a backward through the routers only: cheaper per step, for conversions that train the routers). The loss
+    reported in training is then the block-match loss; validation stays the language-model loss."""
     keep: int = 3
     """Keep the newest N checkpoints."""
     parallel: str = "ddp"
@@ -457,6 +467,8 @@ class TrainConfig:
         require(self.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {self.parallel!r}")
         require(self.trainable in TRAINABLE, f"--trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        require(self.objective in OBJECTIVES,
+                f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
 
 
 @dataclass

@@ -244,6 +244,8 @@ LogEvery = Annotated[Optional[int], field_option(TRAIN, "log_every")]
 Resume = Annotated[Optional[bool], field_option(TRAIN, "resume", "--resume")]
 InitFrom = Annotated[Optional[str], field_option(TRAIN, "init_from")]
 Trainable = Annotated[Optional[str], field_option(TRAIN, "trainable")]
+Calibrate = Annotated[Optional[bool], field_option(TRAIN, "calibrate", "--calibrate/--no-calibrate")]
+Objective = Annotated[Optional[str], field_option(TRAIN, "objective")]
 Keep = Annotated[Optional[int], field_option(TRAIN, "keep")]
 Parallel = Annotated[Optional[str], field_option(TRAIN, "parallel")]
 

@@ -81,6 +81,8 @@ def train(
     resume: options.Resume = None,
     init_from: options.InitFrom = None,
     trainable: options.Trainable = None,
+    calibrate: options.Calibrate = None,
+    objective: options.Objective = None,
     keep: options.Keep = None,
     parallel: options.Parallel = None,
     json_output: options.Json = False,
@@ -104,11 +106,14 @@ def train(
         shape = {name: getattr(saved.model, name) for name in SHAPE_FIELDS}
         flags = {**shape, "seq_len": saved.model.seq_len, "tokenizer": saved.data.tokenizer, **flags}
     run_config = modcli.resolve_run_config(base, str(config) if config else None, flags)
-    if init_from and not resume and "router_weight" not in flags and run_config.model.routed_layers():
+    if init_from and not resume and run_config.model.routed_layers():
         # A conversion starts as the model it came from: a processed token gets the block's whole update (router
-        # weight of value 1, the sigmoid's gradient), so with every token processed the logits are the original's.
-        run_config = modcli.resolve_run_config(base, str(config) if config else None,
-                                               {**flags, "router_weight": "unit"})
+        # weight of value 1, the sigmoid's gradient), so with every token processed the logits are the original's;
+        # and its causal rules keep --capacity of the tokens from the first step (calibrated on the first batch).
+        defaults = {name: value for name, value in (("router_weight", "unit"), ("calibrate", True))
+                    if name not in flags}
+        if defaults:
+            run_config = modcli.resolve_run_config(base, str(config) if config else None, {**flags, **defaults})
     result = modcli.train(run_config, quiet=False)
     if not is_main_process():
         return

@@ -45,10 +45,18 @@ from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.hardware import autocast, seed_everything
 from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
+from modcli.models.routing.calibration import calibrate_causal_rules
 from modcli.reports.console import MetricsLog, StepProgress, stderr_console
 from modcli.training import distributed
 from modcli.training.distributed import DistributedContext
-from modcli.training.objective import Objective, bits_per_byte, lm_loss, routing_agreement, training_loss
+from modcli.training.objective import (
+    Objective,
+    bits_per_byte,
+    check_objective,
+    lm_loss,
+    routing_agreement,
+    training_loss,
+)
 from modcli.training.resume import check_resumable, gather_resume_state, restore_resume_state
 from modcli.training.schedule import (
     capacity_at,
@@ -114,6 +122,9 @@ class TrainResult:
     expert_dropped_max: float | None = None
     """With MoE blocks: the largest `expert_dropped` of any step of this session (a collapse in the first tens of
     steps shows here, not in the last step's value)."""
+    calibration: dict[str, dict[str, float]] | None = None
+    """With --calibrate: per causal mode, per routed block, the share of the first training batch its causal rule
+    processed after calibration (before the first step); None without it, on resume, or with nothing to calibrate."""
 
 
 def validation_modes(model: MoDDecoder) -> list[str]:
@@ -174,6 +185,7 @@ class _Prepared:
     notes: list[str] = field(default_factory=list)
     """Lines for rank 0 to print before training (a stale lock taken over, temporary folders cleaned up)."""
     init_val_loss: float | None = None
+    calibration: dict[str, dict[str, float]] | None = None
 
 
 def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
@@ -217,12 +229,17 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
         del original
         _load_for_conversion(model, init)
     freeze_for(model, tc.trainable)
+    check_objective(model, tc, context.world_size)
     model = model.to(context.device)
+    calibration = None
+    if tc.calibrate and not tc.resume:
+        calibration = _calibrate(model, corpus, config, context)
     wrapped = distributed.wrap_model(model, context, tc.parallel)
     optimizer = make_optimizer(model, tc)
     sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
     scaler = torch.amp.GradScaler(context.device.type, enabled=tc.dtype == "float16")
-    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss)
+    prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss,
+                         calibration=calibration)
     torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
     if resume_state is not None:
         newest = existing[-1]
@@ -240,6 +257,17 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
         except (KeyError, ValueError, TypeError, RuntimeError) as exc:
             raise UserError(f"{newest / 'state.json'} is damaged: {' '.join(str(exc).split())[:200]}") from None
     return prepared
+
+
+def _calibrate(model: MoDDecoder, corpus: Corpus, config: RunConfig,
+               context: DistributedContext) -> dict[str, dict[str, float]] | None:
+    """--calibrate: the causal rules shifted to keep --capacity of the first training batch (the whole global batch,
+    the same on every rank, so replicated routers stay equal); the shares processed afterwards."""
+    tc, mc = config.train, config.model
+    first = BatchSampler(corpus.train, mc.seq_len, tc.batch_size * context.world_size, tc.seed)
+    inputs, _ = first.next()  # (B x world, T): what the run's sampler draws first, every rank's slice together
+    with autocast(context.device, tc.dtype):
+        return calibrate_causal_rules(model, inputs.to(context.device))
 
 
 def _loading(read, checkpoint: Path, existing: list[Path]):
@@ -372,6 +400,12 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
             f"training {run.model.num_parameters():,} parameters ({kind}) on {run.corpus.description}, device "
             f"{device}{parallel}; {steps} steps, global batch {global_batch} = {tc.batch_size} x {tc.grad_accum} "
             f"x {context.world_size} sequences of {mc.seq_len} tokens", highlight=False)
+        if run.calibration:
+            shares = [share for blocks in run.calibration.values() for share in blocks.values()]
+            stderr_console.print(
+                f"calibrated the causal rules ({', '.join(run.calibration)}) to --capacity {mc.capacity} on the first "
+                f"batch: each routed block processes {100 * min(shares):.1f}-{100 * max(shares):.1f}% of it",
+                highlight=False, soft_wrap=True)
         for note in [*run.notes, run.note]:
             if note:
                 stderr_console.print(note, highlight=False, soft_wrap=True)
@@ -491,7 +525,7 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         compile_s=compile_stats.compile_s if compile_stats else None,
         graph_breaks=compile_stats.graph_breaks if compile_stats else None,
         expert_dropped_mean=sum(dropped) / len(dropped) if dropped else None,
-        expert_dropped_max=max(dropped) if dropped else None,
+        expert_dropped_max=max(dropped) if dropped else None, calibration=run.calibration,
     )
 
 

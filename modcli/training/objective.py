@@ -8,6 +8,10 @@ declares (modcli.models.families: `aux_losses`), computed from what its forward 
   (Switch's 0.01 is per layer; --expert-aux-mean, the behaviour of runs saved before, averages instead).
 - `exits` (early-exit): the cross-entropy of the exit after every block but the last, weighted by depth, times
   --exit-loss-scale, at weight 1.
+
+The main loss is the language-model loss (`--objective lm`), or with `--objective block-match` the local
+block-match loss of a conversion (`block_match`): each routed block's output against the dense block's on the same
+input, so the backward reaches only the routers.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modcli.config import ModelConfig, TrainConfig
-from modcli.models.decoder import ForwardAux
+from modcli.errors import UserError
+from modcli.models.decoder import ForwardAux, MoDDecoder, config_rope
 from modcli.models.routing.base import RoutingRecord
 
 
@@ -145,15 +150,77 @@ def unwrapped(model):
     return getattr(module, "_orig_mod", module)
 
 
+def check_objective(model, train: TrainConfig, world_size: int = 1) -> None:
+    """A UserError unless `train.objective` can train `model` (block-match: a routed Mixture-of-Depths decoder whose
+    routers score each block's own input, in one process)."""
+    if train.objective != "block-match":
+        return
+    decoder = unwrapped(model)
+    if type(decoder) is not MoDDecoder or not decoder.config.routed_layers():
+        raise UserError("--objective block-match needs routed blocks of the Mixture-of-Depths decoder (--arch mod)")
+    if any(block.router is not None and block.router.reads_previous_attention for block in decoder.blocks):
+        raise UserError(f"--objective block-match: the {decoder.config.router} router reads the attention of the "
+                        "block before, which the dense pass does not hand on; use --objective lm")
+    if world_size > 1:
+        raise UserError("--objective block-match runs in one process; use --objective lm under torchrun")
+
+
+def block_match(model, tokens: Tensor, routing: str | None = None,
+                capacity: float | None = None) -> tuple[Tensor, ForwardAux, Tensor]:
+    """The block-match loss of `model` (a MoDDecoder, or its compiled wrapper) on tokens (B, T): (the mean over routed
+    blocks of each block's relative squared error, the routed blocks' records, that error per block (routed,)).
+
+    The dense model is the same weights with routing off, run once without gradient; routed block i is then run on
+    the dense model's input to it, x_i (detached), and its output y_i compared with the dense block's, d_i:
+
+        error_i = sum_t |y_i,t - d_i,t|^2 / sum_t |d_i,t - x_i,t|^2
+
+    (the squared error of the tokens against the dense block's whole update). With every token processed and a router
+    weight of value 1 (--router-weight unit) y_i = d_i and the loss is 0; the router learns through the gradient
+    of its weight (and its auxiliary loss), and the backward never crosses a frozen block.
+    """
+    decoder = unwrapped(model)
+    routing = decoder.training_mode if routing is None else routing
+    seq_len = tokens.shape[1]
+    cos, sin = config_rope(decoder.config, torch.arange(seq_len, device=tokens.device))  # (T, hd/2)
+    last = max(block.layer for block in decoder.blocks if block.router is not None)
+    dense_in, dense_out = {}, {}
+    with torch.no_grad():
+        x = decoder.embed(tokens)  # (B, T, D)
+        for block in decoder.blocks[:last + 1]:
+            if block.router is not None:
+                dense_in[block.layer] = x
+            x = x + block.delta(x, cos[None], sin[None])  # the dense block: every token, its whole update
+            if block.router is not None:
+                dense_out[block.layer] = x
+    records, errors = [], []
+    for layer, x_in in dense_in.items():
+        routed, record = decoder.blocks[layer](x_in, cos, sin, routing, True, capacity=capacity)  # (B, T, D)
+        target = dense_out[layer]
+        error = (routed.float() - target.float()).pow(2).sum()
+        errors.append(error / (target.float() - x_in.float()).pow(2).sum().clamp(min=1e-12))
+        records.append(record)
+    per_block = torch.stack(errors)  # (routed,)
+    return per_block.mean(), ForwardAux(records, decoder.expert_stats()), per_block
+
+
 def training_loss(model, tokens: Tensor, targets: Tensor, train: TrainConfig, routing: str | None = None,
                   capacity: float | None = None) -> Objective:
     """The one training objective: a forward of `model` (or its DDP / compiled wrapper) on tokens (B, T), its LM
-    loss against targets (B, T), plus every auxiliary loss the model's family declares, at its weight.
-    `modcli train` and `modcli profile`'s training step both call this."""
-    logits, aux = model(tokens, routing, return_aux=True, capacity=capacity)
-    lm = lm_loss(logits, targets)
+    loss against targets (B, T) (or with --objective block-match the block-match loss, `block_match`), plus every
+    auxiliary loss the model's family declares, at its weight. `modcli train` and `modcli profile`'s training step
+    both call this."""
+    readers: dict[str, Callable[[], dict]] = {}
+    if train.objective == "block-match":
+        lm, aux, per_block = block_match(model, tokens, routing, capacity)
+        layers = [record.layer for record in aux.records]
+        readers["block_match"] = lambda: {f"block{layer}": round(value, 5)
+                                          for layer, value in zip(layers, per_block.detach().tolist(), strict=True)}
+    else:
+        logits, aux = model(tokens, routing, return_aux=True, capacity=capacity)
+        lm = lm_loss(logits, targets)
     config = unwrapped(model).config
-    terms, readers = [], {}
+    terms = []
     for name in config.family.aux_losses:
         more, read = AUX_LOSSES[name](aux, targets, config, train)
         terms += more

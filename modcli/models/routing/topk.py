@@ -107,7 +107,10 @@ class TopKRouter(Router):
 
     @torch.no_grad()
     def calibrate(self, record: RoutingRecord, capacity: float) -> bool:
-        shift_output_bias(self.score, torch.quantile(record.router_logits.float().flatten(), 1.0 - capacity))
+        """Shift the router and the predictor; a `predictor` pass's record shifts the predictor alone (its inputs are
+        those the predictor's own decisions gave, not the router's)."""
+        if record.mode != "predictor":
+            shift_output_bias(self.score, torch.quantile(record.router_logits.float().flatten(), 1.0 - capacity))
         if self.predictor is not None and record.predictor_logits is not None:
             shift_output_bias(self.predictor.net,
                               torch.quantile(record.predictor_logits.float().flatten(), 1.0 - capacity))
