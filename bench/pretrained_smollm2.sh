@@ -39,6 +39,11 @@ PROFILE_REPEATS=${PROFILE_REPEATS:-3}
 LONG_SEQ_LEN=${LONG_SEQ_LEN:-4096}      # the long-context profile (the model's context is 8192)
 LONG_RECIPES=${LONG_RECIPES:-}          # comma-separated recipe names profiled at $LONG_SEQ_LEN too
 EXPORT_RECIPE=${EXPORT_RECIPE:-}        # the recipe whose converted model is exported and run by modcli-run
+# The export's --atol on logits (ONNX Runtime against eager PyTorch, float32). modcli's 1e-4 default is for small
+# models: over 30 blocks and a 49,152-way head whose logits reach ~40, float32 reassociation alone moves logits by
+# ~1e-3-1e-2 (the dense import itself matches transformers only within 1.2e-4); routing choices and greedy tokens
+# are still checked exactly.
+EXPORT_ATOL=${EXPORT_ATOL:-2e-2}
 DECODE_TOKENS=${DECODE_TOKENS:-32}
 QUIET_WAIT_S=${QUIET_WAIT_S:-30}
 GEN_TOKENS=${GEN_TOKENS:-32}
@@ -134,8 +139,8 @@ while IFS='|' read -r name modes flags; do
   if [ "$name" = "$EXPORT_RECIPE" ]; then
     mode=${mode_list[0]}
     log "$name: export (ONNX, $mode decode routing) and modcli-run's greedy text"
-    "$MODCLI" export "$run" --out "$WORK/$name.bundle" --routing "$mode" --force --json \
-      > "$RAW/$name.export.json" < /dev/null
+    "$MODCLI" export "$run" --out "$WORK/$name.bundle" --routing "$mode" --atol "$EXPORT_ATOL" --force \
+      --json > "$RAW/$name.export.json" < /dev/null
     "${MODCLI}-run" "$WORK/$name.bundle" "${prompt_flags[@]}" --temperature 0 --max-new-tokens "$GEN_TOKENS" \
       --json > "$RAW/$name.runtime.json" < /dev/null
     "$PY" - "$RAW/$name.$mode.generate.json" "$RAW/$name.runtime.json" <<'EOF'
@@ -154,7 +159,8 @@ import json, os, platform, sys
 settings = dict(steps=$STEPS, batch=$BATCH, warmup=$WARMUP, capacity_warmup=$CAPACITY_WARMUP, seq_len=$SEQ_LEN,
                 eval_windows=$EVAL_BATCHES * $EVAL_BATCH_SIZE, prose="$PROSE", profile_seq_lens="$PROFILE_SEQ_LENS",
                 profile_repeats=$PROFILE_REPEATS, decode_tokens=$DECODE_TOKENS, gen_tokens=$GEN_TOKENS,
-                long_seq_len=$LONG_SEQ_LEN, long_recipes="$LONG_RECIPES", export_recipe="$EXPORT_RECIPE")
+                long_seq_len=$LONG_SEQ_LEN, long_recipes="$LONG_RECIPES", export_recipe="$EXPORT_RECIPE",
+                export_atol=$EXPORT_ATOL)
 record = dict(wall_s=int(sys.argv[2]), settings=settings, gguf="$(basename "$GGUF")", machine=platform.machine(),
               cpus=os.cpu_count(), load_avg_end=os.getloadavg())
 open(sys.argv[1], "w").write(json.dumps(record, indent=1) + "\n")
