@@ -111,16 +111,17 @@ class ExportResult:
 # ----------------------------------------------------------------------------------------------- the bundle
 
 
-def _check_out(out: Path, force: bool) -> None:
+def check_out(out: Path, force: bool, is_ours: Callable[[Path], bool], kind: str, not_ours: str) -> None:
+    """An existing --out needs --force, and --force replaces only an empty folder or one `is_ours` recognises
+    (`kind`: what the folder should be; `not_ours`: why a non-empty one is not, for the refusal)."""
     if not out.exists():
         return
     if not force:
         raise UserError(f"--out {out} already exists; pass --force to replace it")
     if not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a bundle folder; refusing to replace it")
-    if any(out.iterdir()) and not (out / "manifest.json").is_file():
-        raise UserError(f"--force: {out} is a non-empty folder without manifest.json (not a modcli bundle); "
-                        "refusing to delete it")
+        raise UserError(f"--out {out} is a file, not a {kind}; refusing to replace it")
+    if any(out.iterdir()) and not is_ours(out):
+        raise UserError(f"--force: {out} is a non-empty folder {not_ours}; refusing to delete it")
 
 
 def _file_entries(folder: Path) -> dict[str, dict[str, Any]]:
@@ -171,7 +172,8 @@ def _clean_stale(out: Path) -> list[str]:
 
 
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
-    _check_out(out, config.force)
+    check_out(out, config.force, lambda folder: (folder / "manifest.json").is_file(), "bundle folder",
+              "without manifest.json (not a modcli bundle)")
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
     family = model.config.family
     if not family.exportable:

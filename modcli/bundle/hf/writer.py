@@ -35,6 +35,7 @@ from modcli.bundle.hf.card import last_validation, model_card, provenance
 from modcli.bundle.hf.convert import REMOTE, REMOTE_FILES, Converted, convert
 from modcli.bundle.hf.tokenizer import write_tokenizer
 from modcli.bundle.validation import validation_text
+from modcli.bundle.writer import check_out
 from modcli.checkpoint import atomic
 from modcli.checkpoint.lock import RunLock, sibling_lock_path
 from modcli.checkpoint.store import load_model_from
@@ -81,24 +82,12 @@ class HFExportResult:
     seconds: float = 0.0
 
 
-def _check_out(out: Path, force: bool) -> None:
-    """As an ONNX bundle's --out: an existing --out needs --force, and --force replaces only an empty folder or
-    one that `export --hf` wrote."""
-    if not out.exists():
-        return
-    if not force:
-        raise UserError(f"--out {out} already exists; pass --force to replace it")
-    if not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder; refusing to replace it")
-    if not any(out.iterdir()):
-        return
+def _written_by_export_hf(out: Path) -> bool:
+    """Whether `out` is a folder `export --hf` wrote (its config.json carries the marker)."""
     try:
-        ours = MARKER_KEY in json.loads((out / "config.json").read_text())
+        return MARKER_KEY in json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
-        ours = False
-    if not ours:
-        raise UserError(f"--force: {out} is a non-empty folder that `modcli export --hf` did not write (no "
-                        f"{MARKER_KEY} in its config.json); refusing to delete it")
+        return False
 
 
 def export_hf(config: ExportConfig, log: Callable[[str], None] | None = None) -> HFExportResult:
@@ -127,7 +116,8 @@ def export_hf(config: ExportConfig, log: Callable[[str], None] | None = None) ->
 
 
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None]) -> HFExportResult:
-    _check_out(out, config.force)
+    check_out(out, config.force, _written_by_export_hf, "folder",
+              f"that `modcli export --hf` did not write (no {MARKER_KEY} in its config.json)")
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
     family = model.config.family
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
