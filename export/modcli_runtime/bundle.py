@@ -98,16 +98,29 @@ def session_providers(provider: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-def create_session(path: Path, providers: list[str], strict_provider: str | None = None, threads: int = 0):
+def session_settings(threads: int = 0, spinning: bool = True) -> dict[str, object]:
+    """The onnxruntime session settings `create_session` uses, as recorded in profile output."""
+    return {"graph_optimization_level": "ORT_ENABLE_ALL", "intra_op_threads": threads or "onnxruntime default",
+            "allow_spinning": spinning}
+
+
+def create_session(path: Path, providers: list[str], strict_provider: str | None = None, threads: int = 0,
+                   spinning: bool = True):
     """An onnxruntime session; with `strict_provider`, a BundleError unless that provider really runs it.
 
-    `threads`: intra-op threads of the CPU provider (0 = onnxruntime's default, one per core).
+    `threads`: intra-op threads of the CPU provider (0 = onnxruntime's default, one per core). Every graph
+    optimisation is on (ORT_ENABLE_ALL, onnxruntime's default, stated). `spinning`: whether idle intra-op threads
+    spin waiting for work (onnxruntime's default, fastest when the process has the cores to itself); off where
+    other work shares the process's cores, e.g. PyTorch timed beside it in `modcli profile`, which spinning
+    threads slow down (measured 2x on 2 cores).
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: the CUDA provider's fallback warning is reported by us
     options.intra_op_num_threads = threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types (NOT_IMPLEMENTED, INVALID_GRAPH, ...)

@@ -43,6 +43,9 @@ class ExportConfig:
     """onnxruntime providers to validate on: cpu, cuda, or auto (cpu, plus cuda when it really works)."""
     opset: int = MIN_OPSET
     """ONNX opset of the exported graphs (>= 18)."""
+    opset_only: bool = False
+    """Graphs of standard ONNX operators only, for runtimes other than onnxruntime; default: RMSNorm fused into
+    onnxruntime's SimplifiedLayerNormalization (which only onnxruntime runs; the manifest's `operators` says which)."""
     atol: float | None = None
     """Largest |logit difference| against eager PyTorch; default 1e-4 (float32), 2e-2 (float16), 1e-1 (bfloat16)."""
     decode_steps: int = 16
@@ -61,6 +64,7 @@ class ExportConfig:
                 "--hf writes a Hugging Face folder, not graphs: it does not combine with --onnx or --compile (export "
                 "twice, into two --out folders)")
         require(self.hf or self.onnx or self.compile, "nothing to export: give --onnx and/or --compile")
+        require(not (self.opset_only and not self.onnx), "--opset-only is about the ONNX graphs; it needs --onnx")
         require(Path(self.out).name not in ("", ".."), f"--out must name a bundle folder, got {self.out!r}")
         require(bool(self.graphs) and all(g in GRAPHS for g in self.graphs),
                 f"--graph must be among {', '.join(GRAPHS)}, got {', '.join(map(repr, self.graphs)) or 'none'}")

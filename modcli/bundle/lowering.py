@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.export import Dim
 
+from modcli.bundle.attention import translation_table
 from modcli.decode.graphs import DecodeStepGraph, ForwardGraph
 from modcli.models.decoder import MoDDecoder
 
@@ -143,7 +144,8 @@ def export_onnx(spec: GraphSpec, program: torch.export.ExportedProgram, path: Pa
         with _quiet_exporter():
             onnx_program = torch.onnx.export(copy.deepcopy(program), spec.args, dynamo=True, opset_version=opset,
                                              input_names=spec.input_names, output_names=spec.output_names,
-                                             verbose=False, optimize=True)
+                                             verbose=False, optimize=True,
+                                             custom_translation_table=translation_table())
     except Exception as exc:
         raise RuntimeError(f"ONNX export of the {spec.name} graph failed (opset {opset}; no fallback to the "
                            f"TorchScript exporter is tried): {exc}") from exc

@@ -50,6 +50,7 @@ from modcli_runtime.bundle import FORMAT, FORMAT_VERSION, sha256_of
 from modcli_runtime.errors import BundleError
 
 from modcli.bundle.config import ExportConfig
+from modcli.bundle.fusion import FUSED, PLAIN, fuse_graph
 from modcli.bundle.lowering import (
     CACHE_WRITE_NOTE,
     aoti_supported,
@@ -243,10 +244,12 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
             start = time.perf_counter()
             path = tmp / f"{spec.name}.onnx"
             export_onnx(spec, program, path, config.opset)
+            fused = {} if config.opset_only else fuse_graph(path, model_config.n_heads, model_config.d_model)
             seconds = export_s + time.perf_counter() - start
             histogram, inputs, outputs = onnx_summary(path)
             files.append(GraphFile(spec.name, "onnx", path.name, path.stat().st_size, seconds, histogram))
-            info.update(kind="onnx", file=path.name, inputs=inputs, outputs=outputs)
+            info.update(kind="onnx", file=path.name, inputs=inputs, outputs=outputs,
+                        operators=PLAIN if config.opset_only else FUSED, fused=fused)
         else:
             info.update(kind="exported_program", file=f"{spec.name}.pt2",
                         inputs=[{"name": n} for n in spec.input_names], outputs=[{"name": n} for n in spec.output_names])
@@ -278,6 +281,7 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "valid": False, "created_unix": time.time(),
         "checkpoint": checkpoint, "dtype": config.dtype, "opset": config.opset if config.onnx else None,
+        "operators": (PLAIN if config.opset_only else FUSED) if config.onnx else None,
         "versions": _versions(),
         "model": {"vocab_size": model_config.vocab_size, "seq_len": model_config.seq_len,
                   "tokens": "bytes (UTF-8)" if tokenizer == "bytes" else "tokenizer.json",

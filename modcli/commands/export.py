@@ -26,6 +26,7 @@ def export(
     dtype: options.Dtype = None,
     provider: options.Provider = None,
     opset: options.Opset = None,
+    opset_only: options.OpsetOnly = None,
     atol: options.Atol = None,
     decode_steps: options.DecodeSteps = None,
     text: options.Text = None,

@@ -204,6 +204,9 @@ class ProfileResult:
     load_avg_end: list[float]
     wall_time_s: float
     plot: str | None = None
+    onnxruntime: dict | None = None
+    """--backends onnxruntime: the sessions' settings (graph optimisation level, intra-op threads, spinning,
+    operators, provider)."""
     onnx: list[dict] = field(default_factory=list)
     """Per --onnx bundle and sequence length: onnxruntime forward and decode-step latency
     (`modcli_runtime.bench.time_bundle`: the same statistics as `Timing`, in a dict)."""

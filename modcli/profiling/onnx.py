@@ -1,8 +1,10 @@
 """`modcli profile --backends onnxruntime`: both models exported to ONNX here and timed through modcli_runtime.
 
 The graphs are the ones `modcli export` writes (`modcli.bundle.lowering`: the forward graph in the router's static
-mode, the decode graph in the profiled causal mode, float32, opset 18); they run in onnxruntime sessions of the
-PyTorch-free runtime with as many intra-op threads as PyTorch uses. What is timed, per model:
+mode, the decode graph in the profiled causal mode, float32, opset 18, with onnxruntime's fusions,
+`modcli.bundle.fusion`); they run in onnxruntime sessions of the PyTorch-free runtime with as many intra-op
+threads as PyTorch uses and thread spinning off (`SESSION_SPINNING`), since PyTorch runs between the calls on the
+same cores. What is timed, per model:
 
 - forward: the forward graph on the same (B, T) tokens as the eager forward;
 - decode: `--decode-tokens` steps of the decode graph, each followed by `CacheSpec.write_rows` (what one step of
@@ -20,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from modcli_runtime.bundle import CacheSpec, create_session, session_providers
+from modcli_runtime.bundle import CacheSpec, create_session, session_providers, session_settings
 from modcli_runtime.timing import TimedCall, timed
 
+from modcli.bundle.fusion import FUSED, fuse_graph
 from modcli.bundle.lowering import MIN_OPSET, GraphSpec, decode_spec, export_onnx, export_program, forward_spec
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
@@ -30,6 +33,16 @@ from modcli.profiling.calls import decode_tokens_for, input_tokens
 from modcli.profiling.config import ProfileConfig
 
 CPU = torch.device("cpu")
+SESSION_SPINNING = False
+"""onnxruntime's idle threads spin by default; interleaved with PyTorch on the same cores they slowed the eager
+calls timed between them 2x (small preset, T 256, 2 threads), so profile turns spinning off (costing onnxruntime
+about 5% against a process of its own)."""
+
+
+def onnxruntime_settings(device: torch.device) -> dict[str, object]:
+    """What the profile's onnxruntime sessions ran with (recorded in the result)."""
+    return {**session_settings(torch.get_num_threads(), SESSION_SPINNING), "operators": FUSED, "opset": MIN_OPSET,
+            "provider": session_providers("cuda" if device.type == "cuda" else "cpu")[0]}
 
 
 def onnxruntime_calls(config: ProfileConfig, models: dict[str, MoDDecoder], seq_len: int,
@@ -46,11 +59,11 @@ def onnxruntime_calls(config: ProfileConfig, models: dict[str, MoDDecoder], seq_
             tokens = input_tokens(model.config, batch, seq_len, config.seed, CPU)  # the eager calls' tokens
             if "forward" in config.measure:
                 spec = forward_spec(model)
-                session = _session(spec, folder / f"{name}.forward.onnx", providers, threads)
+                session = _session(spec, folder / f"{name}.forward.onnx", providers, threads, model)
                 calls[name, "forward"] = _forward_call(session, {spec.input_names[0]: tokens.numpy()})
             if "decode" in config.measure:
                 spec = decode_spec(model, config.routing)
-                session = _session(spec, folder / f"{name}.decode.onnx", providers, threads)
+                session = _session(spec, folder / f"{name}.decode.onnx", providers, threads, model)
                 model_config = model.config
                 cache_spec = CacheSpec(
                     n_layers=model_config.n_layers, n_heads=model_config.kv_heads, head_dim=model_config.head_dim,
@@ -68,10 +81,11 @@ def onnxruntime_calls(config: ProfileConfig, models: dict[str, MoDDecoder], seq_
     return calls
 
 
-def _session(spec: GraphSpec, path: Path, providers: list[str], threads: int):
-    """Export `spec` to ONNX at `path` and open it in onnxruntime."""
+def _session(spec: GraphSpec, path: Path, providers: list[str], threads: int, model: MoDDecoder):
+    """Export `spec` to ONNX at `path` as `modcli export` does (fused) and open it in onnxruntime."""
     export_onnx(spec, export_program(spec), path, MIN_OPSET)
-    return create_session(path, providers, threads=threads)
+    fuse_graph(path, model.config.n_heads, model.config.d_model)
+    return create_session(path, providers, threads=threads, spinning=SESSION_SPINNING)
 
 
 def _forward_call(session, feeds: dict[str, np.ndarray]) -> TimedCall:

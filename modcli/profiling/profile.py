@@ -34,6 +34,7 @@ from modcli.profiling.config import ProfileConfig, ProfileResult, SeqLenProfile
 from modcli.profiling.flop_counts import FLOPS_NOTE
 from modcli.profiling.measure import measure_seq_len
 from modcli.profiling.memory import MEMORY_METHOD, measure_memory, save_for_children
+from modcli.profiling.onnx import onnxruntime_settings
 from modcli.profiling.report import ratios, write_plot
 from modcli.profiling.subjects import calibrate_routers, load_baseline, load_subject
 from modcli.reports.console import stderr_console
@@ -115,7 +116,8 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
         baseline=baseline_info, results=results,
         memory_method=MEMORY_METHOD if config.memory else "peak memory: not measured (--no-memory)",
         flops_note=FLOPS_NOTE, environment=_environment(allocator), load_avg_start=load_start, load_avg_end=_load_avg(),
-        wall_time_s=time.perf_counter() - started, plot=config.plot, onnx=onnx)
+        wall_time_s=time.perf_counter() - started, plot=config.plot, onnx=onnx,
+        onnxruntime=onnxruntime_settings(device) if "onnxruntime" in config.backends else None)
     if config.plot:
         write_plot(result, config.plot)
         log(f"wrote {config.plot}")

@@ -121,9 +121,12 @@ def speed_table(result: ProfileResult, r: SeqLenProfile) -> Table:
     """Every backend's latency for every measurement, model and baseline side by side, the measured ratio, the
     counted-FLOP ideal and how far the ratio is from it (ratio / ideal: 1.00 = the saving the FLOPs promise)."""
     compared = result.baseline is not None
+    caption = ("compile s: first call (compilation and one run), never timed; onnxruntime has no prefill graph (the "
+               "runtime feeds a prompt through the decode graph) and no training")
+    if result.onnxruntime:
+        caption += "; onnxruntime sessions: " + ", ".join(f"{k} {v}" for k, v in result.onnxruntime.items())
     table = Table(title=f"speed, T = {r.seq_len}, batch {result.batch_size}: median ms per call (decode: per step)",
-                  caption="compile s: first call (compilation and one run), never timed; onnxruntime has no "
-                          "prefill graph (the runtime feeds a prompt through the decode graph) and no training")
+                  caption=caption)
     columns = ["backend", "measurement", result.model.label]
     if compared:
         columns += [result.baseline.label, "ratio", "FLOP ideal", "ratio / ideal"]

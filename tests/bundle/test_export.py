@@ -208,6 +208,9 @@ def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["valid"] is True and manifest["validation"]["status"] == "passed"
     assert manifest["opset"] == 18 and manifest["versions"]["torch"] == torch.__version__
+    assert manifest["operators"] == "onnxruntime"  # RMSNorm fused (modcli.bundle.fusion); --opset-only: "onnx"
+    assert manifest["graphs"]["forward"]["fused"] == {"SimplifiedLayerNormalization": 9}
+    assert manifest["graphs"]["decode"]["operators"] == "onnxruntime"
     assert set(manifest["files"]) == {"forward.onnx", "decode.onnx", "cache_write.onnx", "config.json"}
     assert manifest["graphs"]["cache_write"]["kind"] == "onnx"
     for name, entry in manifest["files"].items():
@@ -361,6 +364,22 @@ def test_cli_exports_a_dense_model_and_replaces_a_bundle_with_force(runner, trai
     assert manifest["model"]["dense"] is True and manifest["graphs"]["decode"]["routing"] == "dense"
 
 
+def test_opset_only_writes_standard_onnx_operators_and_validates(runner, trained_dense_run, tmp_path):
+    import onnx
+
+    out = tmp_path / "bundle"
+    result = runner.invoke(app, ["export", str(trained_dense_run), "--out", str(out), "--graph", "forward",
+                                 "--opset-only", "--provider", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["valid"] is True
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["operators"] == "onnx" and manifest["graphs"]["forward"]["fused"] == {}
+    graph = onnx.load(str(out / "forward.onnx"))
+    assert {node.domain for node in graph.graph.node} <= {""}
+    assert not {node.op_type for node in graph.graph.node} & {"SimplifiedLayerNormalization"}
+    onnx.checker.check_model(graph)  # standard operators only: the ONNX checker knows every one
+
+
 @pytest.mark.slow
 def test_a_validation_failure_exits_non_zero_and_marks_the_bundle_invalid(runner, trained_dense_run, tmp_path,
                                                                          monkeypatch):
@@ -384,7 +403,8 @@ def no_predictor_run(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", ["not-a-checkpoint", "no-predictor", "bfloat16-onnx", "bad-dtype", "bad-provider",
                                   "cuda-provider", "out-exists", "force-on-a-foreign-folder", "nothing-to-export",
-                                  "bad-graph", "topk-decode", "bad-opset", "missing-text"])
+                                  "bad-graph", "topk-decode", "bad-opset", "missing-text",
+                                  "opset-only-without-onnx"])
 def test_bad_input_is_one_red_line_and_exit_code_2(case, runner, trained_run, no_predictor_run, tmp_path):
     out = tmp_path / "bundle"
     args = ["export", str(trained_run), "--out", str(out)]
@@ -413,6 +433,8 @@ def test_bad_input_is_one_red_line_and_exit_code_2(case, runner, trained_run, no
             args.append("--force")
     elif case == "nothing-to-export":
         args += ["--no-onnx"]
+    elif case == "opset-only-without-onnx":
+        args += ["--no-onnx", "--compile", "--opset-only"]
     elif case == "bad-graph":
         args += ["--graph", "prefill"]
     elif case == "topk-decode":

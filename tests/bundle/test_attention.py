@@ -1,0 +1,108 @@
+"""The exported graphs' causal attention (modcli.bundle.attention) equals PyTorch's, and onnxruntime's fusions keep
+the graphs equal to eager PyTorch (modcli.bundle.fusion)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
+
+from modcli.bundle.attention import MASK_MARGIN, translation_table
+from modcli.bundle.fusion import fuse_graph
+from modcli.bundle.lowering import forward_spec, onnx_summary
+from modcli.models.decoder import MoDDecoder
+from tests.conftest import tiny_model_config
+
+ATOL = 1e-5
+
+
+class Sdpa(nn.Module):
+    def __init__(self, causal: bool = True, masked: bool = False) -> None:
+        super().__init__()
+        self.causal, self.masked = causal, masked
+
+    def forward(self, q, k, v):
+        if self.masked:  # an explicit boolean mask: the exporter's own translation
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+def export_session(module: nn.Module, path: Path, sample: tuple[torch.Tensor, ...]):
+    import onnxruntime as ort
+
+    seq = Dim("seq", min=2)
+    program = torch.export.export(module, sample, dynamic_shapes=tuple({2: seq} for _ in sample), strict=False)
+    torch.onnx.export(program, sample, dynamo=True, opset_version=18, input_names=["q", "k", "v"],
+                      custom_translation_table=translation_table()).save(str(path))
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def qkv(batch: int, heads: int, length: int, head_dim: int, seed: int, scale: float = 1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, heads, length, head_dim, generator=generator) * scale for _ in range(3))
+
+
+def run(session, q, k, v) -> np.ndarray:
+    return session.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy()})[0]
+
+
+def test_causal_attention_equals_pytorch_at_every_length(tmp_path):
+    session = export_session(Sdpa(), tmp_path / "sdpa.onnx", qkv(2, 3, 9, 8, 0))
+    ops = onnx_summary(tmp_path / "sdpa.onnx")[0]
+    assert ops.get("Trilu") == 1 and ops.get("ReduceMax") == 1 and ops.get("Max") == 1 and ops.get("Softmax") == 1
+    for length in (2, 5, 17, 64):
+        q, k, v = qkv(2, 3, length, 8, length)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).numpy()
+        np.testing.assert_allclose(run(session, q, k, v), expected, atol=ATOL, rtol=0)
+
+
+def test_a_future_key_far_above_the_visible_scores_gets_no_weight(tmp_path):
+    """Future scores 500 above the past (and past scores spread far beyond MASK_MARGIN): still exactly causal."""
+    session = export_session(Sdpa(), tmp_path / "sdpa.onnx", qkv(1, 2, 9, 4, 0))
+    q, k, v = qkv(1, 2, 12, 4, 3)
+    q = torch.ones_like(q)
+    k = torch.zeros_like(k)
+    k[..., 6:, :] = 250.0  # scaled score q . k / sqrt(4) = 500 for keys 6.. (the future of queries 0-5)
+    k[..., 1, :] = -4 * MASK_MARGIN  # one visible key far below the row's maximum
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = run(session, q, k, v)
+    np.testing.assert_allclose(got, expected.numpy(), atol=ATOL, rtol=0)
+    # queries before position 6 see only keys <= themselves: their output mixes only those values
+    np.testing.assert_allclose(got[..., 0, :], v[..., 0, :].numpy(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("module", [Sdpa(causal=False), Sdpa(masked=True)], ids=["not-causal", "explicit-mask"])
+def test_other_attention_calls_keep_the_exporters_translation(module, tmp_path):
+    session = export_session(module, tmp_path / "sdpa.onnx", qkv(1, 2, 9, 4, 0))
+    assert "Trilu" not in onnx_summary(tmp_path / "sdpa.onnx")[0] or module.masked
+    q, k, v = qkv(1, 2, 13, 4, 7)
+    np.testing.assert_allclose(run(session, q, k, v), module(q, k, v).numpy(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 2}], ids=["mha", "gqa"])
+def test_fused_forward_graph_equals_eager_pytorch(overrides, tmp_path):
+    import onnxruntime as ort
+
+    from modcli.bundle.lowering import export_onnx, export_program
+
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config(**overrides)).eval()
+    spec = forward_spec(model)
+    path = tmp_path / "forward.onnx"
+    export_onnx(spec, export_program(spec), path, 18)
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    fused = fuse_graph(path, model.config.n_heads, model.config.d_model)
+    assert fused == {"SimplifiedLayerNormalization": 2 * model.config.n_layers + 1}
+    assert onnx_summary(path)[0]["SimplifiedLayerNormalization"] == fused["SimplifiedLayerNormalization"]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    tokens = torch.randint(0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = spec.module(tokens)[0].numpy()
+    for graph in (plain, session):
+        np.testing.assert_allclose(graph.run(None, {"tokens": tokens.numpy()})[0], expected, atol=1e-4, rtol=0)
