@@ -26,9 +26,7 @@ import math
 
 import torch
 
-MASK_MARGIN = 80.0
-"""How far below its row's visible maximum a masked score is put before Softmax: exp(-80) ~ 1.8e-35 is negligible
-against any sum of weights >= 1, and -80 stays inside the range where onnxruntime's exp is fast (about -87)."""
+from modcli.decode.graphs import MASK_MARGIN
 
 
 def causal_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,

@@ -33,6 +33,11 @@ from modcli.models.cache import write_new_rows
 from modcli.models.decoder import Block, MoDDecoder, config_rope
 from modcli.models.routing.selection import Selection, residual_update
 
+MASK_MARGIN = 80.0
+"""The lowest exponent a softmax in the exported graphs takes: exp(-80) ~ 1.8e-35 is negligible against any sum of
+weights >= 1, and it stays inside the range where onnxruntime's CPU exp is fast (about -87; modcli.bundle.attention
+has the measurements). A visible score further below its row's maximum gets weight exp(-80) instead of less."""
+
 
 def capacity_from_length(positions: Tensor, num: int, den: int):
     """k = max(1, T * num // den) from positions = arange(T), as ModelConfig.capacity_tokens computes it.
@@ -99,7 +104,10 @@ def attend_cache_and_self(q: Tensor, keys: Tensor, values: Tensor, lengths: Tens
     cache_scores = cache_scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     self_scores = (q.float() * key_self.float()).sum(dim=-1, keepdim=True) * scale  # (B, Hkv, G, 1)
     top = torch.maximum(cache_scores.amax(dim=-1, keepdim=True), self_scores)  # (B, Hkv, G, 1) finite: self is
-    cache_probs = (cache_scores - top).exp()  # (B, Hkv, G, S), 0 at masked slots
+    # exp of at least -MASK_MARGIN: onnxruntime's CPU Exp is slow below about -87 (modcli.bundle.attention), and a
+    # runtime's cache buffers hold many unfilled slots; those are zeroed by the where, weight exactly 0.
+    cache_probs = torch.where(visible[:, None, None, :], (cache_scores - top).clamp(min=-MASK_MARGIN).exp(),
+                              0.0)  # (B, Hkv, G, S)
     self_probs = (self_scores - top).exp()  # (B, Hkv, G, 1)
     total = cache_probs.sum(dim=-1, keepdim=True) + self_probs  # (B, Hkv, G, 1)
     out = (cache_probs.to(values.dtype) @ values).float() + self_probs * value_self.float()  # (B, Hkv, G, hd)

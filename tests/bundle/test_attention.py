@@ -106,3 +106,24 @@ def test_fused_forward_graph_equals_eager_pytorch(overrides, tmp_path):
         expected = spec.module(tokens)[0].numpy()
     for graph in (plain, session):
         np.testing.assert_allclose(graph.run(None, {"tokens": tokens.numpy()})[0], expected, atol=1e-4, rtol=0)
+
+
+def test_decode_attention_ignores_unfilled_cache_slots_and_equals_attention_over_the_filled_ones():
+    """attend_cache_and_self (the decode graph's attention): slots at or beyond lengths[b] get weight exactly 0,
+    whatever finite values they hold, and the result equals softmax attention over the filled slots + self."""
+    from modcli.decode.graphs import attend_cache_and_self
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, slots, head_dim = 2, 4, 2, 40, 8
+    q = torch.randn(batch, heads, 1, head_dim, generator=generator)
+    keys, values = (torch.randn(batch, kv_heads, slots, head_dim, generator=generator) for _ in range(2))
+    key_self, value_self = (torch.randn(batch, kv_heads, 1, head_dim, generator=generator) for _ in range(2))
+    lengths = torch.tensor([3, 25])
+    keys[0, :, 3:], values[0, :, 3:] = 1e30, 1e30  # stale rows far above any visible score and value
+    keys[1, :, 25:], values[1, :, 25:] = -1e30, -1e30
+    got = attend_cache_and_self(q, keys, values, lengths, key_self, value_self)
+    for b, n in enumerate(lengths.tolist()):
+        k = torch.cat([keys[b, :, :n], key_self[b]], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+        v = torch.cat([values[b, :, :n], value_self[b]], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+        expected = F.scaled_dot_product_attention(q[b], k, v)  # (H, 1, hd)
+        torch.testing.assert_close(got[b], expected, atol=ATOL, rtol=0)
