@@ -2,9 +2,10 @@
 # A short, prepared GPU benchmark for a lent accelerator (about 5 minutes on one H200). It profiles MoD against its
 # dense twin over a few shapes and writes everything into $OUT (at most 8 files come back from the device tool):
 #
-#   nvidia-smi.txt, gpu_small_bf16.json, gpu_base_bf16.json (+ .png), gpu_base_fp32.json,
+#   nvidia-smi.txt, gpu_small_bf16.json, gpu_base_bf16.json, gpu_base_fp32.json,
 #   gpu_base_bf16_compiled.json (eager and torch.compile side by side: forward, causal prefill, and the static-shape
-#   decode step as a CUDA graph), summary.md, log.txt
+#   decode step as a CUDA graph), gpu_small_fp32_onnx.json (eager against the exported, fused ONNX graphs on
+#   onnxruntime's CUDA execution provider: forward and decode step), summary.md, log.txt
 #
 # Run from the repository root, e.g. through the device tool:  OUT=$OUT bash bench/gpu.sh
 # Try it on a CPU with tiny shapes:  DEVICE=cpu SMOKE=1 OUT=/tmp/gpu-smoke bash bench/gpu.sh
@@ -21,10 +22,12 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 if [ "$SMOKE" = 1 ]; then
   SMALL=(--preset tiny --seq-lens 32,64); BASE=(--preset tiny --d-model 64 --seq-lens 32,64)
   BASE_FP32=(--preset tiny --d-model 64 --seq-lens 32); ONE=(--preset tiny --seq-len 64)
+  SMALL_ONNX=(--preset tiny --seq-lens 32)
   COMMON=(--batch-size 2 --repeats 2 --warmup 1 --decode-tokens 4)
 else
   SMALL=(--preset small --seq-lens 256,1024,4096); BASE=(--preset base --seq-lens 512,1024,2048,4096)
   BASE_FP32=(--preset base --seq-lens 1024,2048); ONE=(--preset base --seq-len 2048)
+  SMALL_ONNX=(--preset small --seq-lens 256,1024)
   COMMON=(--batch-size 8 --repeats 7 --warmup 3 --decode-tokens 64)
 fi
 profile() {  # a name, a time limit in seconds, then flags
@@ -37,9 +40,11 @@ profile() {  # a name, a time limit in seconds, then flags
 { nvidia-smi || true; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } \
   > "$OUT/nvidia-smi.txt" 2>&1
 profile gpu_small_bf16 120 "${SMALL[@]}" --dtype bfloat16
-profile gpu_base_bf16 150 "${BASE[@]}" --dtype bfloat16 --plot "$OUT/gpu_base_bf16.png"
+profile gpu_base_bf16 150 "${BASE[@]}" --dtype bfloat16
 profile gpu_base_fp32 90 "${BASE_FP32[@]}" --dtype float32 --no-memory
 profile gpu_base_bf16_compiled 300 "${ONE[@]}" --dtype bfloat16 --backends eager,compiled --measure forward,decode \
+  --no-memory
+profile gpu_small_fp32_onnx 150 "${SMALL_ONNX[@]}" --dtype float32 --backends eager,onnxruntime --measure forward,decode \
   --no-memory
 
 "$PY" - "$OUT" > "$OUT/summary.md" <<'PY'
