@@ -304,6 +304,23 @@ def test_scales_of_one_keep_the_two_groups_and_equal_scales_share_one():
         (0.1, 1.0), (0.1, 0.5), (0.0, 1.0), (0.0, 0.5)]
 
 
+def test_the_gate_lr_scale_flag_reaches_the_saved_config_and_the_gate_group(tmp_path, corpus_file):
+    from modcli.checkpoint.store import read_config
+    from modcli.training.schedule import make_optimizer
+
+    result = CliRunner().invoke(app, [
+        "train", "--data", str(corpus_file), "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32",
+        "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--device", "cpu",
+        "--dense", "--experts", "2", "--expert-gate-lr-scale", "0.25", "--out", str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 0, result.output
+    saved = read_config(next((tmp_path / "run").glob("step-*")))
+    assert saved.train.expert_gate_lr_scale == 0.25
+    model = MoDDecoder(saved.model)
+    optimizer = make_optimizer(model, saved.train)
+    gate = model.blocks[0].mlp.gate.weight
+    assert [group["lr_scale"] for group in optimizer.param_groups if any(p is gate for p in group["params"])] == [0.25]
+
+
 def test_a_config_saved_before_the_gate_lr_scale_keeps_its_router_lr_scale_on_the_gate():
     saved = RunConfig(model=tiny_model_config(**FAMILIES["moe"])).to_dict()
     del saved["train"]["expert_gate_lr_scale"]
