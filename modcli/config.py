@@ -36,12 +36,14 @@ LEGACY_DEFAULTS: dict[str, dict[str, tuple[Any, Any]]] = {
     "model": {"expert_weight": ("probability", lambda model: model.get("experts", 0) > 0),
               "recursion_update": ("delta", lambda model: _family_owns(model, "recursion_update")),
               "attention_score": ("seen-by", lambda model: _reads_attention(model))},
-    "train": {"expert_aux_sum": (False, lambda train: True)},
+    "train": {"expert_aux_sum": (False, lambda train: True),
+              "expert_gate_lr_scale": (lambda train: train.get("router_lr_scale", TrainConfig.router_lr_scale),
+                                       lambda train: True)},
 }
 """Fields added after runs were saved whose new default changes what such a run computes: section -> field ->
-(the old behaviour's value, which saved sections it applies to). A config.json without the field (a run saved
-before it existed) reads it with that value (`RunConfig.read_saved`); a new run, from flags, a preset or a TOML
-file, gets the field's default."""
+(the old behaviour's value, or a function of the saved section giving it; which saved sections it applies to). A
+config.json without the field (a run saved before it existed) reads it with that value (`RunConfig.read_saved`);
+a new run, from flags, a preset or a TOML file, gets the field's default."""
 
 
 def _family_owns(model: dict[str, Any], option: str) -> bool:
@@ -408,6 +410,10 @@ class TrainConfig:
     this option did (their config.json loads with False)."""
     router_lr_scale: float = 1.0
     """Learning rate of the router parameters (and predictor) relative to --lr."""
+    expert_gate_lr_scale: float = 1.0
+    """Learning rate of the MoE gates relative to --lr (a token's first choice flips with a small change of its gate,
+    and a lower rate moves fewer tokens between experts: docs/results.md); runs saved before this option load with
+    their --router-lr-scale, which the gates followed then."""
     capacity_warmup: int = 0
     """Steps over which the capacity anneals linearly from 1.0 to --capacity (k is fixed within a step); 0 = off."""
     eval_every: int = 100
@@ -462,6 +468,8 @@ class TrainConfig:
         require(self.expert_capacity_warmup >= 0,
                 f"--expert-capacity-warmup must be >= 0, got {self.expert_capacity_warmup}")
         require(self.router_lr_scale > 0, f"--router-lr-scale must be positive, got {self.router_lr_scale}")
+        require(self.expert_gate_lr_scale > 0,
+                f"--expert-gate-lr-scale must be positive, got {self.expert_gate_lr_scale}")
         require(self.capacity_warmup >= 0, f"--capacity-warmup must be >= 0, got {self.capacity_warmup}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         require(self.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {self.parallel!r}")
@@ -490,7 +498,8 @@ class RunConfig:
         for section, legacy in LEGACY_DEFAULTS.items():
             values = sections.get(section, {})
             if isinstance(values, dict):
-                sections[section] = {**{name: old for name, (old, applies) in legacy.items()
+                sections[section] = {**{name: old(values) if callable(old) else old
+                                        for name, (old, applies) in legacy.items()
                                         if name not in values and applies(values)}, **values}
         return cls.from_dict(sections)
 

@@ -237,6 +237,7 @@ ExpertAuxWeight = Annotated[Optional[float], field_option(TRAIN, "expert_aux_wei
 ExpertCapacityWarmup = Annotated[Optional[int], field_option(TRAIN, "expert_capacity_warmup")]
 ExpertAuxSum = Annotated[Optional[bool], field_option(TRAIN, "expert_aux_sum", "--expert-aux-sum/--expert-aux-mean")]
 RouterLrScale = Annotated[Optional[float], field_option(TRAIN, "router_lr_scale")]
+ExpertGateLrScale = Annotated[Optional[float], field_option(TRAIN, "expert_gate_lr_scale")]
 CapacityWarmup = Annotated[Optional[int], field_option(TRAIN, "capacity_warmup")]
 EvalEvery = Annotated[Optional[int], field_option(TRAIN, "eval_every")]
 EvalBatches = Annotated[Optional[int], field_option(TRAIN, "eval_batches")]

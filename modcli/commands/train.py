@@ -69,6 +69,7 @@ def train(
     expert_aux_sum: options.ExpertAuxSum = None,
     expert_capacity_warmup: options.ExpertCapacityWarmup = None,
     router_lr_scale: options.RouterLrScale = None,
+    expert_gate_lr_scale: options.ExpertGateLrScale = None,
     capacity_warmup: options.CapacityWarmup = None,
     eval_every: options.EvalEvery = None,
     eval_batches: options.EvalBatches = None,

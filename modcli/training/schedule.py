@@ -25,26 +25,39 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; weight decay on the blocks' matrices, the MoE experts' stacked (E, D, H)
     weights included (not norms, biases or the embedding). Router parameters (MoD and MoR routers, their
-    predictors, the MoE gates) learn at --router-lr-scale x the learning rate (`lr_scale` of their groups)."""
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    predictors) learn at --router-lr-scale x the learning rate, the MoE gates at --expert-gate-lr-scale x (`lr_scale`
+    of their groups). Parameters with the same decay and scale share a group, so a run whose scales are all 1 has
+    the two groups it always had."""
+    groups: dict[tuple[bool, float], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decays = param.ndim >= 2 and "embed" not in name
-        separate = config.router_lr_scale != 1.0 and is_router_parameter(name)  # default: two groups, as ever
-        groups.setdefault((decays, separate), []).append(param)
+        groups.setdefault((decays, lr_scale_of(name, config)), []).append(param)
+    ordered = sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1] != 1.0, -item[0][1]))
     return torch.optim.AdamW(
-        [{"params": params, "weight_decay": config.weight_decay if decays else 0.0,
-          "lr_scale": config.router_lr_scale if is_router else 1.0}
-         for (decays, is_router), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
+        [{"params": params, "weight_decay": config.weight_decay if decays else 0.0, "lr_scale": scale}
+         for (decays, scale), params in ordered],
         lr=config.lr, betas=(0.9, 0.95), **_fused_if_possible([p for params in groups.values() for p in params]))
+
+
+def lr_scale_of(name: str, config: TrainConfig) -> float:
+    """A parameter's learning rate relative to --lr, by its name in the decoder."""
+    if is_expert_gate_parameter(name):
+        return config.expert_gate_lr_scale
+    return config.router_lr_scale if is_router_parameter(name) else 1.0
 
 
 def is_router_parameter(name: str) -> bool:
     """A routing parameter, by its name in the decoder (a DDP / compile wrapper's prefix allowed): an MoD block's
-    router and predictor (`blocks.1.router.`), an MoR step's (`routers.0.`), an MoE gate (`blocks.0.mlp.gate.`)."""
+    router and predictor (`blocks.1.router.`), an MoR step's (`routers.0.`)."""
     dotted = f".{name}"
-    return ".router." in dotted or ".routers." in dotted or ".mlp.gate." in dotted
+    return ".router." in dotted or ".routers." in dotted
+
+
+def is_expert_gate_parameter(name: str) -> bool:
+    """An MoE gate (`blocks.0.mlp.gate.`), a DDP / compile wrapper's prefix allowed."""
+    return ".mlp.gate." in f".{name}"
 
 
 def _fused_if_possible(params: list[torch.nn.Parameter]) -> dict[str, bool]:

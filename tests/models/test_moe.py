@@ -276,19 +276,58 @@ def test_balancing_loss_is_summed_over_blocks_or_averaged_as_before():
         torch.testing.assert_close(term.value, expected)
 
 
-def test_expert_tensors_decay_and_the_gate_learns_at_the_router_lr_scale():
+def test_expert_tensors_decay_and_the_gate_learns_at_its_own_lr_scale():
     from modcli.config import TrainConfig
     from modcli.training.schedule import make_optimizer
 
     model = MoDDecoder(tiny_model_config(**FAMILIES["staged"]))
-    optimizer = make_optimizer(model, TrainConfig(router_lr_scale=0.5, weight_decay=0.1))
+    optimizer = make_optimizer(model, TrainConfig(router_lr_scale=0.5, expert_gate_lr_scale=0.2, weight_decay=0.1))
     names = {id(p): name for name, p in model.named_parameters()}
     group_of = {names[id(p)]: group for group in optimizer.param_groups for p in group["params"]}
     assert group_of["blocks.0.mlp.gate_up"]["weight_decay"] == 0.1 and group_of["blocks.0.mlp.down"]["weight_decay"] == 0.1
     assert group_of["blocks.0.mlp.gate_up"]["lr_scale"] == 1.0
-    assert group_of["blocks.0.mlp.gate.weight"]["lr_scale"] == 0.5
+    assert group_of["blocks.0.mlp.gate.weight"]["lr_scale"] == 0.2
     assert group_of["blocks.1.router.score.weight"]["lr_scale"] == 0.5
     assert group_of["blocks.0.attn_norm.weight"]["weight_decay"] == 0.0
+    assert TrainConfig().expert_gate_lr_scale == 1.0 and TrainConfig().router_lr_scale == 1.0
+
+
+def test_scales_of_one_keep_the_two_groups_and_equal_scales_share_one():
+    from modcli.config import TrainConfig
+    from modcli.training.schedule import make_optimizer
+
+    model = MoDDecoder(tiny_model_config(**FAMILIES["staged"]))
+    plain = make_optimizer(model, TrainConfig())
+    assert [(g["weight_decay"], g["lr_scale"]) for g in plain.param_groups] == [(0.1, 1.0), (0.0, 1.0)]
+    shared = make_optimizer(model, TrainConfig(router_lr_scale=0.5, expert_gate_lr_scale=0.5))
+    assert [(g["weight_decay"], g["lr_scale"]) for g in shared.param_groups] == [
+        (0.1, 1.0), (0.1, 0.5), (0.0, 1.0), (0.0, 0.5)]
+
+
+def test_the_gate_lr_scale_flag_reaches_the_saved_config_and_the_gate_group(tmp_path, corpus_file):
+    from modcli.checkpoint.store import read_config
+    from modcli.training.schedule import make_optimizer
+
+    result = CliRunner().invoke(app, [
+        "train", "--data", str(corpus_file), "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32",
+        "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--device", "cpu",
+        "--dense", "--experts", "2", "--expert-gate-lr-scale", "0.25", "--out", str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 0, result.output
+    saved = read_config(next((tmp_path / "run").glob("step-*")))
+    assert saved.train.expert_gate_lr_scale == 0.25
+    model = MoDDecoder(saved.model)
+    optimizer = make_optimizer(model, saved.train)
+    gate = model.blocks[0].mlp.gate.weight
+    assert [group["lr_scale"] for group in optimizer.param_groups if any(p is gate for p in group["params"])] == [0.25]
+
+
+def test_a_config_saved_before_the_gate_lr_scale_keeps_its_router_lr_scale_on_the_gate():
+    saved = RunConfig(model=tiny_model_config(**FAMILIES["moe"])).to_dict()
+    del saved["train"]["expert_gate_lr_scale"]
+    assert RunConfig.read_saved(saved).train.expert_gate_lr_scale == 1.0
+    saved["train"]["router_lr_scale"] = 0.3
+    assert RunConfig.read_saved(saved).train.expert_gate_lr_scale == 0.3
+    assert RunConfig.from_dict(saved).train.expert_gate_lr_scale == 1.0
 
 
 def test_a_config_saved_before_expert_weight_loads_with_the_probability_weight():
@@ -362,6 +401,7 @@ def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
     (["--experts", "4", "--expert-aux-weight", "-1"], "--expert-aux-weight must be >= 0"),
     (["--experts", "4", "--expert-weight", "half"], "--expert-weight must be one of unit, probability"),
     (["--experts", "4", "--expert-capacity-warmup", "-1"], "--expert-capacity-warmup must be >= 0"),
+    (["--experts", "4", "--expert-gate-lr-scale", "0"], "--expert-gate-lr-scale must be positive"),
     (["--arch", "early-exit", "--expert-weight", "probability"], "--expert-weight: --arch early-exit has dense MLPs"),
 ])
 def test_bad_expert_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
