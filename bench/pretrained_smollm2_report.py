@@ -8,7 +8,8 @@ NAME.runtime.json, the exported bundle and modcli-run's greedy text), then the r
 of the script side by side, their dense model measured in RESULTS), and writes one JSON object a line per measured
 point (the dense model first) to RESULTS/results.jsonl, the Markdown table RESULTS/table.md and the figure
 RESULTS/frontier.png (loss increase on both corpora against the decode-step speed-up at the longest profiled length
-of the main profile). A speed-up is the dense model's
+of the main profile, and beside it, where long-context profiles exist, against the prefill speed-up at the long
+length). A speed-up is the dense model's
 median latency over the converted model's, both timed interleaved in the same `modcli profile` call.
 """
 
@@ -220,6 +221,8 @@ def table(run: dict, rows: list[dict]) -> str:
 
 
 def figure(rows: list[dict], path: Path) -> None:
+    """Loss increase (both corpora) against the decode-step speed-up at the main profile's longest length; beside
+    it, where long-context profiles exist, against the prefill speed-up at the long length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,34 +231,43 @@ def figure(rows: list[dict], path: Path) -> None:
 
     points = [row for row in rows[1:] if row["profiled_seq_lens"]]
     t = max(points[0]["profiled_seq_lens"])
-    fig, ax = plt.subplots(figsize=(11, 5.5))
-    ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--", label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
-    ax.axvline(GOAL_SPEEDUP, color="green", lw=0.8, ls=":", label=f"goal: {GOAL_SPEEDUP}x decode")
-    ax.axvline(1.0, color="gray", lw=0.6)
-    for index, row in enumerate(points):
-        color = f"C{index % 10}"
-        x = row[f"decode_speedup_T{t}"]
-        ys = [row[f"loss_increase_pct_{c}"] for c in CORPORA]
-        ax.plot([x, x], ys, color=color, lw=0.8)
-        ax.scatter([x], [ys[0]], color=color, marker="o", label=f"{index + 1}: {row['recipe']} ({row['routing']})")
-        ax.scatter([x], [ys[1]], color=color, marker="^")
-        ax.annotate(str(index + 1), (x, max(ys)), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
-    x_low, x_high = ax.get_xlim()
-    x_low, x_high = min(x_low, 0.95), max(x_high, GOAL_SPEEDUP) + 0.1
+    long_points = [row for row in points if row.get("long_seq_lens")]
+    panels = [("decode", t, points)]
+    if long_points:
+        panels.append(("prefill", max(long_points[0]["long_seq_lens"]), long_points))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 + 4.5 * len(panels), 5.5), squeeze=False)
+    number = {id(row): index + 1 for index, row in enumerate(points)}
     y_high = 3 * max(GOAL_LOSS_INCREASE_PCT, *(r[f"loss_increase_pct_{c}"] for r in points for c in CORPORA))
     y_low = min(-1.0, *(r[f"loss_increase_pct_{c}"] for r in points for c in CORPORA))
-    ax.add_patch(Rectangle((GOAL_SPEEDUP, y_low), x_high - GOAL_SPEEDUP, GOAL_LOSS_INCREASE_PCT - y_low,
-                           color="green", alpha=0.12, label="goal region"))
-    ax.set_xlim(x_low, x_high)
-    ax.set_ylim(y_low, y_high)
-    ax.scatter([], [], color="black", marker="o", label="circle: stdlib code")
-    ax.scatter([], [], color="black", marker="^", label="triangle: prose (common-licenses)")
-    ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_xlabel(f"decode-step speed-up over dense at T {t} (batch 1, CPU, measured)")
-    ax.set_ylabel("validation loss increase over dense, % (causal routing)")
-    ax.set_title("SmolLM2-135M converted to MoD: quality against decode speed")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3)
+    for ax, (part, length, shown) in zip(axes[0], panels, strict=True):
+        ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--",
+                   label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
+        ax.axvline(GOAL_SPEEDUP, color="green", lw=0.8, ls=":", label=f"goal: {GOAL_SPEEDUP}x")
+        ax.axvline(1.0, color="gray", lw=0.6)
+        for row in shown:
+            index = number[id(row)]
+            color = f"C{(index - 1) % 10}"
+            x = row[f"{part}_speedup_T{length}"]
+            ys = [row[f"loss_increase_pct_{c}"] for c in CORPORA]
+            ax.plot([x, x], ys, color=color, lw=0.8)
+            ax.scatter([x], [ys[0]], color=color, marker="o", label=f"{index}: {row['recipe']} ({row['routing']})")
+            ax.scatter([x], [ys[1]], color=color, marker="^")
+            ax.annotate(str(index), (x, max(ys)), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+        x_low, x_high = ax.get_xlim()
+        x_low, x_high = min(x_low, 0.95), max(x_high, GOAL_SPEEDUP) + 0.1
+        ax.add_patch(Rectangle((GOAL_SPEEDUP, y_low), x_high - GOAL_SPEEDUP, GOAL_LOSS_INCREASE_PCT - y_low,
+                               color="green", alpha=0.12, label="goal region"))
+        ax.set_xlim(x_low, x_high)
+        ax.set_ylim(y_low, y_high)
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_xlabel(f"{part} speed-up over dense at T {length} (batch 1, CPU, measured)")
+        ax.set_ylabel("validation loss increase over dense, % (causal routing)")
+        ax.grid(alpha=0.3)
+    first = axes[0][0]  # holds every point: its legend is the figure's
+    first.scatter([], [], color="black", marker="o", label="circle: stdlib code")
+    first.scatter([], [], color="black", marker="^", label="triangle: prose (common-licenses)")
+    axes[0][-1].legend(*first.get_legend_handles_labels(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("SmolLM2-135M converted to MoD: quality against speed")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
