@@ -12,6 +12,10 @@ unit router weight does. Which tokens, per rule:
   the routed blocks before it) is largest. It reads the work it would save, and ranks over the whole window (like
   top-k), so it is not a router one could deploy; it is what ranking by the size of the update could reach.
 - random: k tokens drawn uniformly (seeded), what an untrained router's arbitrary choice costs.
+- oracle+kv, random+kv: the same choice, but the skipped tokens still serve as keys and values: each chosen token
+  gets its dense update (attention over every token), a skipped one none. Against the rule without "+kv" this
+  separates what the skipped tokens' own updates are worth from what their absence from attention costs the others
+  (a routed block stores no K/V for a skipped token, which is what saves the KV cache).
 
 Position 0 (the attention sink) is always processed, as with --keep-first 1. The loss (nats/token) is on the same
 validation windows as `modcli eval --batches B --batch-size S`, the dense model's alongside; one JSON object on stdout
@@ -35,6 +39,8 @@ from modcli.models.decoder import config_rope
 from modcli.models.routing.selection import gather_tokens, residual_update, scatter_tokens, select_topk
 from modcli.training.objective import lm_loss
 
+RULES = ("oracle", "random", "oracle+kv", "random+kv")
+
 
 def routed_forward(model, tokens: torch.Tensor, part: str, layers: set[int], capacity: float, rule: str,
                    generator: torch.Generator) -> torch.Tensor:
@@ -50,14 +56,14 @@ def routed_forward(model, tokens: torch.Tensor, part: str, layers: set[int], cap
         if part == "mlp":  # attention (and its cache) covers every token; only the MLP is routed
             x = x + block.delta(x, cos[None], sin[None], part="attention")
         full = block.delta(x, cos[None], sin[None], part=part)  # (B, T, D): every token's own update
-        scores = (full.pow(2).sum(-1) if rule == "oracle"
+        scores = (full.pow(2).sum(-1) if rule.startswith("oracle")
                   else torch.rand(batch, seq_len, generator=generator))  # (B, T)
         scores[:, 0] = float("inf")  # the sink, as --keep-first 1
         idx = select_topk(scores, k).selected_idx  # (B, k) ascending
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         # the MLP works token by token, so its update of the k is theirs in `full`; attention (and the whole block)
-        # runs again among the k only, as a routed block does
-        delta = (gather_tokens(full, idx) if part == "mlp"
+        # runs again among the k only, as a routed block does, unless "+kv" keeps every token's keys and values
+        delta = (gather_tokens(full, idx) if part == "mlp" or rule.endswith("+kv")
                  else block.delta(x_selected, cos[idx], sin[idx], part=part))  # (B, k, D)
         x = scatter_tokens(x, idx, residual_update(x_selected, delta, torch.ones_like(x_selected[..., :1])))
         if part == "attention":  # only attention was routed: the MLP runs on every token
@@ -72,7 +78,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--points", default="attention:all:oracle:0.875,0.75,0.5;attention:all:random:0.875,0.5",
-                        help="PART:LAYOUT:RULE:CAPACITIES;... (PART attention|mlp|block, LAYOUT all|other)")
+                        help="PART:LAYOUT:RULE:CAPACITIES;... (PART attention|mlp|block, LAYOUT all|other, "
+                        "RULE oracle|random|oracle+kv|random+kv)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -94,6 +101,8 @@ def main() -> None:
     points = []
     for spec in args.points.split(";"):
         part, layout, rule, capacities = spec.split(":")
+        if part not in ("attention", "mlp", "block") or layout not in layouts or rule not in RULES:
+            parser.error(f"--points: {spec!r} is not PART:LAYOUT:RULE:CAPACITIES (see --help)")
         for capacity in (float(c) for c in capacities.split(",")):
             generator = torch.Generator().manual_seed(args.seed)
             total = 0.0
