@@ -1,11 +1,11 @@
 """The report of bench/pretrained_smollm2.sh: results.jsonl, table.md and frontier.png from its raw JSON.
 
-    python bench/pretrained_smollm2_report.py bench/results/smollm2 [MORE_RESULTS ...]
+    python bench/pretrained_smollm2_report.py bench/results/smollm2 [MORE_RESULTS ...] [--ideal]
 
 Reads RESULTS/raw/ (recipes.txt, run.json, dense.*.json and NAME.MODE.{eval-stdlib,eval-prose,generate,profile}.json
 with NAME.train.json; where present NAME.MODE.profile-long.json, the long-context profile, and NAME.export.json with
 NAME.runtime.json, the exported bundle and modcli-run's greedy text), then the recipes of each MORE_RESULTS/raw/ (runs
-of the script side by side, their dense model measured in RESULTS), and writes one JSON object a line per measured
+of the script beside or after it, their dense model measured in RESULTS), and writes one JSON object a line per measured
 point (the dense model first) to RESULTS/results.jsonl, the Markdown table RESULTS/table.md and the figure
 RESULTS/frontier.png (loss increase on both corpora against the decode-step speed-up at the longest profiled length
 of the main profile, and beside it, where long-context profiles exist, against the prefill speed-up at the long
@@ -15,8 +15,8 @@ median latency over the converted model's, both timed interleaved in the same `m
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 CORPORA = ("stdlib", "prose")
@@ -153,7 +153,7 @@ def table(run: dict, rows: list[dict]) -> str:
         f"causal routing; speed-ups = dense median latency / converted, batch 1, "
         f"{settings['profile_repeats']} repeats, interleaved; script wall time "
         f"{' s and '.join('?' if wall is None else str(wall) for wall in run['wall_s_each'])} s"
-        f"{' (runs side by side)' if len(run['wall_s_each']) > 1 else ''}.",
+        f"{' (one per results folder)' if len(run['wall_s_each']) > 1 else ''}.",
         "",
         f"Dense: stdlib {dense['loss_stdlib']:.4f}, prose {dense['loss_prose']:.4f}"
         + "".join(f"; T {t}: prefill {profiled[0][f'dense_prefill_ms_T{t}']:.0f} ms, decode step "
@@ -220,9 +220,10 @@ def table(run: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(rows: list[dict], path: Path) -> None:
+def figure(rows: list[dict], path: Path, ideal: bool = False) -> None:
     """Loss increase (both corpora) against the decode-step speed-up at the main profile's longest length; beside
-    it, where long-context profiles exist, against the prefill speed-up at the long length."""
+    it, where long-context profiles exist, against the prefill speed-up at the long length. `ideal`: the speed-ups
+    from counted FLOPs instead of the measured ones (for profiles taken on a machine too busy to time)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,7 +248,7 @@ def figure(rows: list[dict], path: Path) -> None:
         for row in shown:
             index = number[id(row)]
             color = f"C{(index - 1) % 10}"
-            x = row[f"{part}_speedup_T{length}"]
+            x = row[f"{part}_speedup{'_ideal' if ideal else ''}_T{length}"]
             ys = [row[f"loss_increase_pct_{c}"] for c in CORPORA]
             ax.plot([x, x], ys, color=color, lw=0.8)
             ax.scatter([x], [ys[0]], color=color, marker="o", label=f"{index}: {row['recipe']} ({row['routing']})")
@@ -260,7 +261,8 @@ def figure(rows: list[dict], path: Path) -> None:
         ax.set_xlim(x_low, x_high)
         ax.set_ylim(y_low, y_high)
         ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_xlabel(f"{part} speed-up over dense at T {length} (batch 1, CPU, measured)")
+        how = "ideal from counted FLOPs" if ideal else "measured"
+        ax.set_xlabel(f"{part} speed-up over dense at T {length} (batch 1, CPU, {how})")
         ax.set_ylabel("validation loss increase over dense, % (causal routing)")
         ax.grid(alpha=0.3)
     first = axes[0][0]  # holds every point: its legend is the figure's
@@ -274,14 +276,20 @@ def figure(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    results = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/smollm2")
-    run, rows = collect(results, [Path(folder) for folder in sys.argv[2:]])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default="bench/results/smollm2", type=Path)
+    parser.add_argument("more", nargs="*", type=Path, help="more results folders (their dense model: RESULTS')")
+    parser.add_argument("--ideal", action="store_true",
+                        help="the figure's speed-ups from counted FLOPs (profiles on a busy machine)")
+    args = parser.parse_args()
+    results = args.results
+    run, rows = collect(results, args.more)
     with (results / "results.jsonl").open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     (results / "table.md").write_text(table(run, rows))
     if any(row.get("profiled_seq_lens") for row in rows[1:]):
-        figure(rows, results / "frontier.png")
+        figure(rows, results / "frontier.png", args.ideal)
     print((results / "table.md").read_text())
 
 
