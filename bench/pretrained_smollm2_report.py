@@ -1,21 +1,22 @@
 """The report of bench/pretrained_smollm2.sh: results.jsonl, table.md and frontier.png from its raw JSON.
 
-    python bench/pretrained_smollm2_report.py bench/results/smollm2 [MORE_RESULTS ...]
+    python bench/pretrained_smollm2_report.py bench/results/smollm2 [MORE_RESULTS ...] [--ideal]
 
 Reads RESULTS/raw/ (recipes.txt, run.json, dense.*.json and NAME.MODE.{eval-stdlib,eval-prose,generate,profile}.json
 with NAME.train.json; where present NAME.MODE.profile-long.json, the long-context profile, and NAME.export.json with
 NAME.runtime.json, the exported bundle and modcli-run's greedy text), then the recipes of each MORE_RESULTS/raw/ (runs
-of the script side by side, their dense model measured in RESULTS), and writes one JSON object a line per measured
+of the script beside or after it, their dense model measured in RESULTS), and writes one JSON object a line per measured
 point (the dense model first) to RESULTS/results.jsonl, the Markdown table RESULTS/table.md and the figure
 RESULTS/frontier.png (loss increase on both corpora against the decode-step speed-up at the longest profiled length
-of the main profile). A speed-up is the dense model's
+of the main profile, and beside it, where long-context profiles exist, against the prefill speed-up at the long
+length). A speed-up is the dense model's
 median latency over the converted model's, both timed interleaved in the same `modcli profile` call.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 CORPORA = ("stdlib", "prose")
@@ -152,7 +153,7 @@ def table(run: dict, rows: list[dict]) -> str:
         f"causal routing; speed-ups = dense median latency / converted, batch 1, "
         f"{settings['profile_repeats']} repeats, interleaved; script wall time "
         f"{' s and '.join('?' if wall is None else str(wall) for wall in run['wall_s_each'])} s"
-        f"{' (runs side by side)' if len(run['wall_s_each']) > 1 else ''}.",
+        f"{' (one per results folder)' if len(run['wall_s_each']) > 1 else ''}.",
         "",
         f"Dense: stdlib {dense['loss_stdlib']:.4f}, prose {dense['loss_prose']:.4f}"
         + "".join(f"; T {t}: prefill {profiled[0][f'dense_prefill_ms_T{t}']:.0f} ms, decode step "
@@ -219,7 +220,10 @@ def table(run: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(rows: list[dict], path: Path) -> None:
+def figure(rows: list[dict], path: Path, ideal: bool = False) -> None:
+    """Loss increase (both corpora) against the decode-step speed-up at the main profile's longest length; beside
+    it, where long-context profiles exist, against the prefill speed-up at the long length. `ideal`: the speed-ups
+    from counted FLOPs instead of the measured ones (for profiles taken on a machine too busy to time)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,48 +232,64 @@ def figure(rows: list[dict], path: Path) -> None:
 
     points = [row for row in rows[1:] if row["profiled_seq_lens"]]
     t = max(points[0]["profiled_seq_lens"])
-    fig, ax = plt.subplots(figsize=(11, 5.5))
-    ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--", label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
-    ax.axvline(GOAL_SPEEDUP, color="green", lw=0.8, ls=":", label=f"goal: {GOAL_SPEEDUP}x decode")
-    ax.axvline(1.0, color="gray", lw=0.6)
-    for index, row in enumerate(points):
-        color = f"C{index % 10}"
-        x = row[f"decode_speedup_T{t}"]
-        ys = [row[f"loss_increase_pct_{c}"] for c in CORPORA]
-        ax.plot([x, x], ys, color=color, lw=0.8)
-        ax.scatter([x], [ys[0]], color=color, marker="o", label=f"{index + 1}: {row['recipe']} ({row['routing']})")
-        ax.scatter([x], [ys[1]], color=color, marker="^")
-        ax.annotate(str(index + 1), (x, max(ys)), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
-    x_low, x_high = ax.get_xlim()
-    x_low, x_high = min(x_low, 0.95), max(x_high, GOAL_SPEEDUP) + 0.1
+    long_points = [row for row in points if row.get("long_seq_lens")]
+    panels = [("decode", t, points)]
+    if long_points:
+        panels.append(("prefill", max(long_points[0]["long_seq_lens"]), long_points))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 + 4.5 * len(panels), 5.5), squeeze=False)
+    number = {id(row): index + 1 for index, row in enumerate(points)}
     y_high = 3 * max(GOAL_LOSS_INCREASE_PCT, *(r[f"loss_increase_pct_{c}"] for r in points for c in CORPORA))
     y_low = min(-1.0, *(r[f"loss_increase_pct_{c}"] for r in points for c in CORPORA))
-    ax.add_patch(Rectangle((GOAL_SPEEDUP, y_low), x_high - GOAL_SPEEDUP, GOAL_LOSS_INCREASE_PCT - y_low,
-                           color="green", alpha=0.12, label="goal region"))
-    ax.set_xlim(x_low, x_high)
-    ax.set_ylim(y_low, y_high)
-    ax.scatter([], [], color="black", marker="o", label="circle: stdlib code")
-    ax.scatter([], [], color="black", marker="^", label="triangle: prose (common-licenses)")
-    ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_xlabel(f"decode-step speed-up over dense at T {t} (batch 1, CPU, measured)")
-    ax.set_ylabel("validation loss increase over dense, % (causal routing)")
-    ax.set_title("SmolLM2-135M converted to MoD: quality against decode speed")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(alpha=0.3)
+    for ax, (part, length, shown) in zip(axes[0], panels, strict=True):
+        ax.axhline(GOAL_LOSS_INCREASE_PCT, color="green", lw=0.8, ls="--",
+                   label=f"goal: loss +{GOAL_LOSS_INCREASE_PCT:g}%")
+        ax.axvline(GOAL_SPEEDUP, color="green", lw=0.8, ls=":", label=f"goal: {GOAL_SPEEDUP}x")
+        ax.axvline(1.0, color="gray", lw=0.6)
+        for row in shown:
+            index = number[id(row)]
+            color = f"C{(index - 1) % 10}"
+            x = row[f"{part}_speedup{'_ideal' if ideal else ''}_T{length}"]
+            ys = [row[f"loss_increase_pct_{c}"] for c in CORPORA]
+            ax.plot([x, x], ys, color=color, lw=0.8)
+            ax.scatter([x], [ys[0]], color=color, marker="o", label=f"{index}: {row['recipe']} ({row['routing']})")
+            ax.scatter([x], [ys[1]], color=color, marker="^")
+            ax.annotate(str(index), (x, max(ys)), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+        x_low, x_high = ax.get_xlim()
+        x_low, x_high = min(x_low, 0.95), max(x_high, GOAL_SPEEDUP) + 0.1
+        ax.add_patch(Rectangle((GOAL_SPEEDUP, y_low), x_high - GOAL_SPEEDUP, GOAL_LOSS_INCREASE_PCT - y_low,
+                               color="green", alpha=0.12, label="goal region"))
+        ax.set_xlim(x_low, x_high)
+        ax.set_ylim(y_low, y_high)
+        ax.set_yscale("symlog", linthresh=1.0)
+        how = "ideal from counted FLOPs" if ideal else "measured"
+        ax.set_xlabel(f"{part} speed-up over dense at T {length} (batch 1, CPU, {how})")
+        ax.set_ylabel("validation loss increase over dense, % (causal routing)")
+        ax.grid(alpha=0.3)
+    first = axes[0][0]  # holds every point: its legend is the figure's
+    first.scatter([], [], color="black", marker="o", label="circle: stdlib code")
+    first.scatter([], [], color="black", marker="^", label="triangle: prose (common-licenses)")
+    axes[0][-1].legend(*first.get_legend_handles_labels(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("SmolLM2-135M converted to MoD: quality against speed")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def main() -> None:
-    results = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/smollm2")
-    run, rows = collect(results, [Path(folder) for folder in sys.argv[2:]])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="?", default="bench/results/smollm2", type=Path)
+    parser.add_argument("more", nargs="*", type=Path, help="more results folders (their dense model: RESULTS')")
+    parser.add_argument("--ideal", action="store_true",
+                        help="the figure's speed-ups from counted FLOPs (profiles on a busy machine)")
+    args = parser.parse_args()
+    results = args.results
+    run, rows = collect(results, args.more)
     with (results / "results.jsonl").open("w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     (results / "table.md").write_text(table(run, rows))
     if any(row.get("profiled_seq_lens") for row in rows[1:]):
-        figure(rows, results / "frontier.png")
+        figure(rows, results / "frontier.png", args.ideal)
     print((results / "table.md").read_text())
 
 
