@@ -21,8 +21,13 @@ PLAIN = "onnx"
 
 def fuse_graph(path: Path, n_heads: int, d_model: int) -> dict[str, int]:
     """Rewrite the ONNX file at `path` with onnxruntime's fusions in place; returns {fused operator: count}."""
+    import onnx
     from onnxruntime.transformers import optimizer
     from onnxruntime.transformers.fusion_options import FusionOptions
+
+    # A graph whose weights the exporter wrote apart (over protobuf's 2 GB) is written back the same way.
+    external = any(tensor.data_location == onnx.TensorProto.EXTERNAL
+                   for tensor in onnx.load(str(path), load_external_data=False).graph.initializer)
 
     options = FusionOptions("gpt2")
     options.enable_attention = False
@@ -33,5 +38,8 @@ def fuse_graph(path: Path, n_heads: int, d_model: int) -> dict[str, int]:
     options.enable_shape_inference = False
     model = optimizer.optimize_model(str(path), model_type="gpt2", num_heads=n_heads, hidden_size=d_model,
                                      opt_level=0, optimization_options=options, use_gpu=False)
-    model.save_model_to_file(str(path))
+    if external:
+        model.save_model_to_file(str(path), use_external_data_format=True, all_tensors_to_one_file=True)
+    else:
+        model.save_model_to_file(str(path))
     return {name: count for name, count in model.get_fused_operator_statistics().items() if count}

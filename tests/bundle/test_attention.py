@@ -127,3 +127,27 @@ def test_decode_attention_ignores_unfilled_cache_slots_and_equals_attention_over
         v = torch.cat([values[b, :, :n], value_self[b]], dim=1).repeat_interleave(heads // kv_heads, dim=0)
         expected = F.scaled_dot_product_attention(q[b], k, v)  # (H, 1, hd)
         torch.testing.assert_close(got[b], expected, atol=ATOL, rtol=0)
+
+
+def test_fusing_a_graph_with_external_weights_keeps_them_external(tmp_path):
+    """Graphs over protobuf's 2 GB are exported with their weights in a separate file; fusion writes them back so."""
+    import onnx
+    import onnxruntime as ort
+
+    from modcli.bundle.lowering import export_onnx, export_program
+
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config()).eval()
+    spec = forward_spec(model)
+    path = tmp_path / "forward.onnx"
+    export_onnx(spec, export_program(spec), path, 18)
+    onnx.save(onnx.load(str(path)), str(path), save_as_external_data=True, location="forward.onnx.data",
+              size_threshold=0)
+    assert fuse_graph(path, model.config.n_heads, model.config.d_model)
+    graph = onnx.load(str(path), load_external_data=False)
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.graph.initializer)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = spec.module(tokens)[0].numpy()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"tokens": tokens.numpy()})[0], expected, atol=1e-4, rtol=0)
