@@ -32,6 +32,7 @@ modcli.bundle.validation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import platform
@@ -148,28 +149,31 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
     log = log or (lambda message: None)
     started = time.perf_counter()
     out = Path(config.out)
+    with export_lock(out, "manifest.json", log):
+        return _export(config, out, log, started)
+
+
+@contextlib.contextmanager
+def export_lock(out: Path, marker_file: str, log: Callable[[str], None]):
+    """Hold the lock next to --out while an export works (a second export into the same --out is refused at once),
+    after putting back what a killed export left there: a folder displaced by --force is restored when nothing
+    replaced it (recognised by `marker_file`), temporary folders are removed; one note per folder to `log`."""
     if out.parent.exists() and not out.parent.is_dir():
         raise UserError(f"--out {out}: {out.parent} is a file")
-    lock = RunLock(sibling_lock_path(out), "export", out)  # a second export into --out is refused at once
+    lock = RunLock(sibling_lock_path(out), "export", out)
     if not out.parent.exists():
         lock.remove_empty = out.parent
     note = lock.acquire()
     try:
         if note:
             log(note)
-        for line in _clean_stale(out):
+        for line in atomic.clean_stale(out.parent, re.escape(out.name), marker_file,
+                                       {"tmp": "an interrupted export", "old": "an interrupted export"},
+                                       restored="an interrupted export --force"):
             log(line)
-        return _export(config, out, log, started)
+        yield
     finally:
         lock.release()
-
-
-def _clean_stale(out: Path) -> list[str]:
-    """What a killed export left next to --out (only called while holding its lock): a bundle displaced by --force
-    is put back when nothing replaced it; temporary folders are removed. One note per folder."""
-    return atomic.clean_stale(out.parent, re.escape(out.name), "manifest.json",
-                              {"tmp": "an interrupted export", "old": "an interrupted export"},
-                              restored="an interrupted export --force")
 
 
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:

@@ -29,6 +29,7 @@ from modcli.config import DataConfig, ModelConfig, RunConfig, TrainConfig  # noq
 from modcli.decode.generation import GenerateConfig, generate  # noqa: E402
 from modcli.models.decoder import MoDDecoder  # noqa: E402
 from tests.conftest import make_corpus_text, tiny_model_config  # noqa: E402
+from tests.pretrained.test_pretrained import ARCHITECTURES, save_tiny_hf_model  # noqa: E402
 
 ATOL = 1e-4
 PROMPTS = ["def f_3(x):\n", "    return x * 2 + 1  # line"]
@@ -257,29 +258,11 @@ def test_the_model_card_names_the_fields_that_matter(exported):
 
 # --------------------------------------------------------------------------------- imported Llama/Mistral/Qwen2
 
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=24, rope_theta=50000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
-}
-
-
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def imported(request, tmp_path_factory):
     """(name, original folder, the transformers model, the imported modcli run)."""
-    from tests.pretrained.test_pretrained import make_tokenizer
-
-    config_name, model_name, extra = ARCHITECTURES[request.param]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **extra)
-    reference = getattr(transformers, model_name)(config).eval()
     root = tmp_path_factory.mktemp(request.param)
-    reference.save_pretrained(root / "original")
-    make_tokenizer(root / "original")
+    reference = save_tiny_hf_model(request.param, root / "original")
     result = CliRunner().invoke(app, ["import", str(root / "original"), "--out", str(root / "run")])
     assert result.exit_code == 0, result.output
     return request.param, root / "original", reference, root / "run"

@@ -42,18 +42,25 @@ def make_tokenizer(folder: Path) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
-@pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def hf_model(request, tmp_path_factory):
-    """(architecture name, folder, the transformers model in float32 eval mode)."""
-    config_name, model_name, extra = ARCHITECTURES[request.param]
+def save_tiny_hf_model(name: str, folder: Path):
+    """A tiny random transformers model of ARCHITECTURES[name] saved with a tokenizer at `folder`; returns it (float32,
+    eval mode)."""
+    config_name, model_name, extra = ARCHITECTURES[name]
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **extra)
     model = getattr(transformers, model_name)(config).eval()
-    folder = tmp_path_factory.mktemp("hf") / request.param
     model.save_pretrained(folder)
     make_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def hf_model(request, tmp_path_factory):
+    """(architecture name, folder, the transformers model in float32 eval mode)."""
+    folder = tmp_path_factory.mktemp("hf") / request.param
+    model = save_tiny_hf_model(request.param, folder)
     return request.param, folder, model
 
 

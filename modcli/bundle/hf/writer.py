@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -35,12 +34,11 @@ from modcli.bundle.hf.card import last_validation, model_card, provenance
 from modcli.bundle.hf.convert import REMOTE, REMOTE_FILES, Converted, convert
 from modcli.bundle.hf.tokenizer import write_tokenizer
 from modcli.bundle.validation import validation_text
-from modcli.bundle.writer import check_out
+from modcli.bundle.writer import check_out, export_lock
 from modcli.checkpoint import atomic
-from modcli.checkpoint.lock import RunLock, sibling_lock_path
 from modcli.checkpoint.store import load_model_from
 from modcli.decode.generation import prefill
-from modcli.errors import ReportedError, UserError, WriteFailed
+from modcli.errors import ReportedError, WriteFailed
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
@@ -95,22 +93,8 @@ def export_hf(config: ExportConfig, log: Callable[[str], None] | None = None) ->
     log = log or (lambda message: None)
     started = time.perf_counter()
     out = Path(config.out)
-    if out.parent.exists() and not out.parent.is_dir():
-        raise UserError(f"--out {out}: {out.parent} is a file")
-    lock = RunLock(sibling_lock_path(out), "export", out)
-    if not out.parent.exists():
-        lock.remove_empty = out.parent
-    note = lock.acquire()
-    try:
-        if note:
-            log(note)
-        for line in atomic.clean_stale(out.parent, re.escape(out.name), "config.json",
-                                       {"tmp": "an interrupted export", "old": "an interrupted export"},
-                                       restored="an interrupted export --force"):
-            log(line)
+    with export_lock(out, "config.json", log):
         result = _export(config, out, log)
-    finally:
-        lock.release()
     result.seconds = time.perf_counter() - started
     return result
 
