@@ -374,14 +374,16 @@ def test_a_published_folder_replaces_the_old_one_whole_or_not_at_all(tmp_path, m
 
 
 def test_what_a_killed_export_left_is_removed_and_a_displaced_bundle_is_put_back(tmp_path):
-    from modcli.bundle.writer import _clean_stale
+    from modcli.bundle.writer import export_lock
 
     out = tmp_path / "bundle"
     (tmp_path / ".tmp-bundle-123").mkdir()
     (tmp_path / ".old-bundle-123").mkdir()  # killed between the two renames of an export --force
     (tmp_path / ".old-bundle-123" / "manifest.json").write_text("{}")
     (tmp_path / ".tmp-other-123").mkdir()  # another bundle's: not this export's business
-    notes = _clean_stale(out)
+    notes: list[str] = []
+    with export_lock(out, "manifest.json", notes.append):  # what both exports run before anything else
+        pass
     assert notes == [f"note: restored {out} from .old-bundle-123, left by an interrupted export --force",
                      f"note: removed the stale temporary folder {tmp_path / '.tmp-bundle-123'} (an interrupted "
                      "export)"]
