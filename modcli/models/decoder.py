@@ -69,9 +69,10 @@ def llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, H, n, hd); cos/sin (B, n, hd/2) at each token's original position."""
+    """x (B, n, heads, hd), heads after the tokens (the queries' and keys' heads in one tensor, so one rotation
+    serves both); cos/sin (B, n, hd/2) at each token's original position."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, n, hd/2)
+    cos, sin = cos[:, :, None], sin[:, :, None]  # (B, n, 1, hd/2)
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rotated.to(x.dtype)
 
@@ -130,10 +131,12 @@ class Attention(nn.Module):
     def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, n, hd) and k, v (B, Hkv, n, hd), RoPE applied to q and k."""
         batch, n, _ = x.shape
+        rotated_heads = self.n_heads + self.n_kv_heads  # q's heads, then k's
         # explicit head counts, never -1: a compiled causal prefill's n may be 0, and -1 cannot be inferred then
-        q, k, v = (t.view(batch, n, size // self.head_dim, self.head_dim).transpose(1, 2)
-                   for t, size in zip(self.qkv(x).split(self.sizes, dim=-1), self.sizes, strict=True))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        heads = self.qkv(x).view(batch, n, rotated_heads + self.n_kv_heads, self.head_dim)  # (B, n, H + 2 Hkv, hd)
+        q, k = apply_rope(heads[:, :, :rotated_heads], cos, sin).transpose(1, 2).split(
+            [self.n_heads, self.n_kv_heads], dim=1)  # (B, H, n, hd), (B, Hkv, n, hd)
+        return q, k, heads[:, :, rotated_heads:].transpose(1, 2)
 
     def share_kv(self, kv: Tensor) -> Tensor:
         """(B, Hkv, L, hd) -> (B, H, L, hd): each key/value head serves n_heads / n_kv_heads query heads."""

@@ -11,6 +11,7 @@ from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.decoder import Block, MoDDecoder, rope_tables
 from modcli.models.routing import select_causal, select_topk, topk_labels
+from modcli.models.routing.selection import select_topk_sorted, select_topk_traced
 from tests.conftest import tiny_model_config
 
 
@@ -41,23 +42,42 @@ def _brute_force_topk(scores: list[float], k: int) -> list[int]:
     return sorted(ranked[:k])
 
 
+@pytest.mark.parametrize("select", [select_topk, select_topk_sorted, select_topk_traced],
+                         ids=["dispatch", "eager-sort", "traced-rule"])
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), seq_len=st.integers(min_value=1, max_value=40), batch=st.integers(min_value=1, max_value=3))
-def test_topk_selection_equals_brute_force_sorting_with_ties_to_the_lower_position(data, seq_len, batch):
+def test_topk_selection_equals_brute_force_sorting_with_ties_to_the_lower_position(select, data, seq_len, batch):
     # Scores from a handful of values, so most draws hold exact ties at the k-th boundary.
     values = st.sampled_from([-1.5, 0.0, 0.25, 0.2500001, 2.0])
     rows = [data.draw(st.lists(values, min_size=seq_len, max_size=seq_len)) for _ in range(batch)]
     k = data.draw(st.integers(min_value=1, max_value=seq_len))
     scores = torch.tensor(rows)  # float32: the brute force sees the same (rounded) values
-    selection = select_topk(scores, k)
+    selection = select(scores, k)
     assert selection.selected_idx.tolist() == [_brute_force_topk(row, k) for row in scores.tolist()]
     assert selection.counts.tolist() == [k] * batch and selection.valid is None
 
 
-def test_ties_at_the_boundary_go_to_the_lower_position():
-    scores = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1.0, 1.0], [1.0] * 8])
-    assert select_topk(scores, 2).selected_idx.tolist() == [[0, 5], [0, 1]]
-    assert select_topk(scores, 4).selected_idx.tolist() == [[0, 1, 2, 5], [0, 1, 2, 3]]
+@pytest.mark.parametrize("select", [select_topk_sorted, select_topk_traced], ids=["eager-sort", "traced-rule"])
+def test_ties_at_the_boundary_go_to_the_lower_position(select):
+    scores = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1.0, 1.0], [1.0] * 8, [0.0, -0.0, 0.0, -0.0] * 2])
+    assert select(scores, 2).selected_idx.tolist() == [[0, 5], [0, 1], [0, 1]]
+    assert select(scores, 4).selected_idx.tolist() == [[0, 1, 2, 5], [0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_eager_and_traced_top_k_agree_on_long_rows_with_runs_of_equal_scores():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (4, 2048), generator=generator).float() / 4  # long runs of ties at every k
+    for k in (1, 7, 256, 1024, 2048):
+        assert torch.equal(select_topk_sorted(scores, k).selected_idx, select_topk_traced(scores, k).selected_idx)
+
+
+def test_a_compiled_top_k_takes_the_traced_rule(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    used = []
+    monkeypatch.setattr("modcli.models.routing.selection.select_topk_traced",
+                        lambda logits, k: used.append(k) or select_topk_sorted(logits, k))
+    select_topk(torch.zeros(1, 8), 2)
+    assert used == [2]
 
 
 @pytest.mark.parametrize("seq_len, capacity, k", [

@@ -36,11 +36,31 @@ def select_topk(router_logits: Tensor, k: int) -> Selection:
     """Expert-choice top-k per sequence; equal scores break ties by position, lower first (the ONNX TopK rule).
 
     `torch.topk` leaves the order of equal values unspecified, and runs of identical bytes (indentation, triple quotes)
-    give bit-identical router logits at the k-th boundary, so the rule is spelt out with operations whose result
-    does not depend on how a kernel orders ties: the k-th largest value, every score above it, then the tied ones
-    from the left until k are chosen. The same code runs in eager PyTorch, torch.compile, torch.export and ONNX.
-    Indices come back sorted ascending (never argsort of the scores): causal order among the selected tokens.
+    give bit-identical router logits at the k-th boundary, so the rule is spelt out, two ways with one result:
+
+    - eager PyTorch: a stable descending sort keeps equal scores in position order, so its first k are the tokens
+      the rule chooses (3 operators; the routed block's fixed cost counts at batch 1, docs/profile.md);
+    - traced graphs (torch.compile, torch.export, ONNX, where TopK has no stable order): the k-th largest value,
+      every score above it, then the tied ones from the left until k (17 operators whose result does not depend on
+      how a kernel orders ties).
+
+    Indices come back sorted ascending: causal order among the selected tokens.
     """
+    if not torch.compiler.is_compiling():
+        return select_topk_sorted(router_logits, k)
+    return select_topk_traced(router_logits, k)
+
+
+def select_topk_sorted(router_logits: Tensor, k: int) -> Selection:
+    """`select_topk` by a stable sort: eager PyTorch's path."""
+    batch = router_logits.shape[0]
+    best = router_logits.sort(dim=1, descending=True, stable=True).indices[:, :k]  # (B, k) ties: lower position first
+    counts = torch.full((batch,), k, dtype=torch.long, device=router_logits.device)
+    return Selection(best.sort(dim=1).values, None, counts)
+
+
+def select_topk_traced(router_logits: Tensor, k: int) -> Selection:
+    """`select_topk` from operators whose result does not depend on how a kernel orders ties: traced graphs' path."""
     batch, seq_len = router_logits.shape
     kth = router_logits.topk(k, dim=1).values[:, -1:]  # (B, 1) the k-th largest score (a value: no tie ambiguity)
     above = router_logits > kth  # (B, T)
