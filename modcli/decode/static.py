@@ -107,7 +107,9 @@ class StaticDecoder:
         """Compile the prefill at this shape and the decode step (their first calls, in `compile_stats`), then
         forget what they stored: later calls are the timed ones."""
         self.prefill(tokens, lengths)
-        self.step(tokens[:, 0].contiguous())  # the layout of the real steps: a stride change would recompile
+        # the layout of the real steps, (B,) with stride 1 (at B = 1, `contiguous()` would keep the stride of T, and
+        # the first real step would compile again: a stride change fails a guard)
+        self.step(tokens[:, 0].clone(memory_format=torch.contiguous_format))
         self.reset()
 
     @torch.no_grad()

@@ -137,6 +137,22 @@ def test_compiled_decoding_equals_eager_decoding_and_is_one_graph(compiled_run):
 
 @pytest.mark.slow
 @torch.no_grad()
+def test_a_batch_of_one_decodes_without_compiling_again_after_warm_up():
+    # At B = 1, tokens[:, 0].contiguous() keeps the stride of T; the real steps' tokens have stride 1, which failed
+    # a guard, so the first real step compiled the decode step a second time (seconds, inside the decode timing).
+    model = _model(d_model=24, n_layers=2, n_heads=2)
+    tokens = torch.randint(0, 256, (1, 12))
+    static = StaticDecoder(model, 1, 20, "router", CPU, compile=True)
+    static.warm_up(tokens)
+    static.prefill(tokens)
+    new_tokens = torch.randint(0, 256, (4, 1))  # rows (1,) with stride 1, as generate's sampled tokens
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for step in range(4):
+            static.step(new_tokens[step])
+
+
+@pytest.mark.slow
+@torch.no_grad()
 def test_compiled_forward_and_causal_prefill_have_no_graph_breaks():
     model = _model(d_model=32, n_layers=2, n_heads=2)
     tokens = torch.randint(0, 256, (2, 24))
