@@ -19,6 +19,7 @@ PACKAGES = {"modcli": ROOT / "modcli", "modcli_runtime": ROOT / "export" / "modc
 # command (measured after `import torch` on this machine):
 HEAVY_OPTIONAL = (
     "onnx", "onnxscript", "onnxruntime",  # export and the ONNX profile backend: 0.1-0.5 s each, 100k+ objects
+    "torch.onnx",  # the exporter's internals, read by a translation while an ONNX export runs (it imports onnxscript)
     "matplotlib",  # figures (plot, sweep, routes): about 0.2 s
     "tensorboard", "torch.utils.tensorboard",  # an extra (`pip install modcli[tensorboard]`)
     "transformers",  # a dev extra, never a dependency of the package

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
 
-from modcli.bundle.attention import MASK_MARGIN, translation_table
+from modcli.bundle import attention
+from modcli.bundle.attention import LONG_BLOCKS, MASK_MARGIN, translation_table
 from modcli.bundle.fusion import fuse_graph
 from modcli.bundle.lowering import forward_spec, onnx_summary
 from modcli.models.decoder import MoDDecoder
@@ -55,11 +56,34 @@ def run(session, q, k, v) -> np.ndarray:
 def test_causal_attention_equals_pytorch_at_every_length(tmp_path):
     session = export_session(Sdpa(), tmp_path / "sdpa.onnx", qkv(2, 3, 9, 8, 0))
     ops = onnx_summary(tmp_path / "sdpa.onnx")[0]
-    assert ops.get("Trilu") == 1 and ops.get("ReduceMax") == 1 and ops.get("Max") == 1 and ops.get("Softmax") == 1
-    for length in (2, 5, 17, 64):
+    # one If: the single block, or LONG_BLOCKS blocks of queries for sequences longer than LONG_BLOCK
+    assert ops.get("If") == 1 and ops.get("Softmax") == ops.get("Trilu") == ops.get("ReduceMax") == 1 + LONG_BLOCKS
+    for length in (2, 5, 17, 64, 256, 257, 600):
         q, k, v = qkv(2, 3, length, 8, length)
         expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).numpy()
         np.testing.assert_allclose(run(session, q, k, v), expected, atol=ATOL, rtol=0)
+
+
+def test_blocked_long_sequence_path_equals_pytorch_with_empty_and_remainder_blocks(tmp_path, monkeypatch):
+    # Blocks of 4 rows, 3 blocks: length 5 leaves the first block empty, length 13 gives it 5 rows (the remainder).
+    monkeypatch.setattr(attention, "LONG_BLOCK", 4)
+    monkeypatch.setattr(attention, "LONG_BLOCKS", 3)
+    session = export_session(Sdpa(), tmp_path / "sdpa.onnx", qkv(2, 3, 9, 8, 0))
+    assert onnx_summary(tmp_path / "sdpa.onnx")[0].get("Softmax") == 1 + 3
+    for length in (2, 4, 5, 8, 9, 12, 13, 31):
+        q, k, v = qkv(2, 3, length, 8, 100 + length, scale=3.0)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True).numpy()
+        np.testing.assert_allclose(run(session, q, k, v), expected, atol=ATOL, rtol=0)
+
+
+def test_without_the_exporters_tracer_the_graph_has_the_single_block(tmp_path, monkeypatch):
+    monkeypatch.setattr(attention, "_exporter_tracer", lambda: None)
+    session = export_session(Sdpa(), tmp_path / "sdpa.onnx", qkv(2, 3, 9, 8, 0))
+    ops = onnx_summary(tmp_path / "sdpa.onnx")[0]
+    assert "If" not in ops and ops.get("Softmax") == ops.get("Trilu") == 1
+    q, k, v = qkv(2, 3, 300, 8, 7)
+    np.testing.assert_allclose(run(session, q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True).numpy(),
+                               atol=ATOL, rtol=0)
 
 
 def test_a_future_key_far_above_the_visible_scores_gets_no_weight(tmp_path):
@@ -85,12 +109,15 @@ def test_other_attention_calls_keep_the_exporters_translation(module, tmp_path):
     np.testing.assert_allclose(run(session, q, k, v), module(q, k, v).numpy(), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 2}], ids=["mha", "gqa"])
-def test_fused_forward_graph_equals_eager_pytorch(overrides, tmp_path):
+@pytest.mark.parametrize("overrides, long_block", [({}, None), ({"n_kv_heads": 2}, None), ({}, 4)],
+                         ids=["mha", "gqa", "mha-blocked"])
+def test_fused_forward_graph_equals_eager_pytorch(overrides, long_block, tmp_path, monkeypatch):
     import onnxruntime as ort
 
     from modcli.bundle.lowering import export_onnx, export_program
 
+    if long_block:  # the 23 tokens below take the blocked path of the dense blocks' attention (blocks of 4 rows)
+        monkeypatch.setattr(attention, "LONG_BLOCK", long_block)
     torch.manual_seed(0)
     model = MoDDecoder(tiny_model_config(**overrides)).eval()
     spec = forward_spec(model)
