@@ -62,35 +62,37 @@ def causal_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, 
         return aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                  enable_gqa)
     factor = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    query = op.Mul(query, op.CastLike(op.Constant(value_float=factor), query))  # the scale on q, the smaller side
-    keys_t = op.Transpose(key, perm=[0, 1, 3, 2])  # (B, H, hd, S)
     length = op.Shape(query, start=-2, end=-1)  # [L]
     source = op.Shape(key, start=-2, end=-1)  # [S]
     zero = op.Constant(value_ints=[0])
 
-    def attend(rows_q, rows_keys_t, rows_values, first_row, rows, keys):
-        """Softmax attention of queries first_row.. (B, H, rows, hd) over keys 0..keys-1, the future masked."""
+    def attend(rows_query, rows_key, rows_value, first_row, rows, keys):
+        """Softmax attention of queries first_row.. (B, H, rows, hd) over keys 0..keys-1, the future masked. The
+        scale, the key's transpose and the MatMul stay together in each branch: onnxruntime fuses them into one
+        FusedMatMul (a Transpose outside the If would be a copy of the keys per layer: +3.6% at batch 8, T 256)."""
+        scores = op.MatMul(op.Mul(rows_query, op.CastLike(op.Constant(value_float=factor), query)),
+                           op.Transpose(rows_key, perm=[0, 1, 3, 2]))  # (B, H, rows, keys)
         minus_inf = op.Expand(op.CastLike(op.Constant(value_float=-math.inf), query), op.Concat(rows, keys, axis=0))
         # (rows, keys): -inf where the key comes after the query (key > first_row + row), else 0
         future = op.Trilu(minus_inf, op.Squeeze(op.Add(first_row, op.Constant(value_ints=[1]))), upper=1)
-        masked = op.Add(op.MatMul(rows_q, rows_keys_t), future)  # (B, H, rows, keys)
+        masked = op.Add(scores, future)  # (B, H, rows, keys)
         floor = op.Sub(op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1),
                        op.CastLike(op.Constant(value_float=MASK_MARGIN), query))  # (B, H, rows, 1)
-        return op.MatMul(op.Softmax(op.Max(masked, floor), axis=-1), rows_values)  # (B, H, rows, hd)
+        return op.MatMul(op.Softmax(op.Max(masked, floor), axis=-1), rows_value)  # (B, H, rows, hd)
 
     def single_block():
-        return attend(query, keys_t, value, zero, length, source)
+        return attend(query, key, value, zero, length, source)
 
     def blocks():
         bounds = [zero, *[op.Max(zero, op.Sub(length, op.Constant(value_ints=[(LONG_BLOCKS - i) * LONG_BLOCK])))
                           for i in range(1, LONG_BLOCKS)], length]  # row bounds, ascending; early blocks may be empty
-        rows_axis, keys_axis = op.Constant(value_ints=[2]), op.Constant(value_ints=[3])
+        axis = op.Constant(value_ints=[2])
         outputs = []
         for first, end in zip(bounds, bounds[1:], strict=False):
             last = end is length  # the last block sees every key: no slice to copy
-            rows_keys_t = keys_t if last else op.Slice(keys_t, zero, end, keys_axis)  # (B, H, hd, end)
-            rows_values = value if last else op.Slice(value, zero, end, rows_axis)  # (B, H, end, hd)
-            outputs.append(attend(op.Slice(query, first, end, rows_axis), rows_keys_t, rows_values, first,
+            rows_key = key if last else op.Slice(key, zero, end, axis)  # (B, H, end, hd)
+            rows_value = value if last else op.Slice(value, zero, end, axis)  # (B, H, end, hd)
+            outputs.append(attend(op.Slice(query, first, end, axis), rows_key, rows_value, first,
                                   op.Sub(end, first), end))
         return op.Concat(*outputs, axis=2)  # (B, H, L, hd)
 
