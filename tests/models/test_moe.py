@@ -519,3 +519,4 @@ def test_config_kind_names_each_family():
     assert ModelConfig(route_every=0).kind == "dense"
     assert ModelConfig().kind == "MoD topk, c=0.125"
     assert ModelConfig(experts=4).kind == "staged MoDE (MoD topk, c=0.125, E=4, top-1)"
+    assert ModelConfig(experts=4, route_every=0, expert_routing="hash").kind == "MoE (E=4, top-1, hash)"
