@@ -4,6 +4,9 @@ time, `modcli eval` causal losses and the dropped share of expert choices per st
 
     python bench/results/issue23_hash/collect.py runs logs > bench/results/issue23_hash/runs.jsonl
 
+It also copies each run's `modcli eval --json` output and its last checkpoint's config.json next to runs.jsonl
+(NAME.eval.json, NAME.config.json).
+
 `runs/NAME/` is the run folder, `logs/NAME.{train,eval,time}.json` the `--json` outputs of `modcli train` and
 `modcli eval` and the wall time of `modcli train`, `logs/NAME.command.txt` the `modcli train` command (each then
 evaluated with `modcli eval runs/NAME --batches 16 --batch-size 8 --device cpu --json`).
@@ -22,7 +25,8 @@ def dropped(metrics: Path) -> dict | None:
     if not shares:
         return None
     late = [share for step, share in shares.items() if step >= 10]
-    return {"at_step": {str(step): round(shares[step], 4) for step in (1, 10, 20, 50, 100, 200, 300)
+    return {"per_step": [round(shares[step], 4) for step in sorted(shares)],
+            "at_step": {str(step): round(shares[step], 4) for step in (1, 10, 20, 50, 100, 200, 300)
                         if step in shares},
             "steps_10_on": {"mean": round(sum(late) / len(late), 4), "max": round(max(late), 4),
                             "steps_above_0.1": sum(share > 0.1 for share in late), "steps": len(late)}}
@@ -37,7 +41,11 @@ def main() -> None:
             continue
         train = json.loads((logs / f"{name}.train.json").read_text())
         evaluation = json.loads(eval_file.read_text())
-        config = json.loads(sorted((runs / name).glob("step-*/config.json"))[-1].read_text())
+        config_file = sorted((runs / name).glob("step-*/config.json"))[-1]
+        config = json.loads(config_file.read_text())
+        here = Path(__file__).resolve().parent
+        (here / f"{name}.eval.json").write_text(eval_file.read_text())
+        (here / f"{name}.config.json").write_text(config_file.read_text())
         print(json.dumps({
             "run": name, "command": (logs / f"{name}.command.txt").read_text().strip(),
             "model": {key: config["model"][key] for key in ("experts", "expert_routing", "expert_capacity_factor",
