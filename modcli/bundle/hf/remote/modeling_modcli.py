@@ -207,7 +207,7 @@ class MoEMLP(nn.Module):
         d_model, hidden = config.hidden_size, config.intermediate_size
         self.experts, self.top_k, self.pool = config.experts, config.expert_top_k, config.experts + noop_experts
         self.unit_weight = config.expert_weight == "unit"
-        self.hashed = getattr(config, "expert_routing", "learned") == "hash"
+        self.hashed = config.expert_routing == "hash"
         if self.hashed:
             self.register_buffer("hash_table", torch.zeros(config.vocab_size, dtype=torch.long))  # (vocab,)
         else:
