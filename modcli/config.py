@@ -23,14 +23,16 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 TRAINABLE = ("all", "routers", "routers+norms")
 OBJECTIVES = ("lm", "block-match")
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
-                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts")
+                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts", "expert_routing")
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 DTYPES = ("float32", "bfloat16", "float16")
 MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
                       "threshold", "capacity_max", "route_part", "predictor_hidden", "keep_first")
 """ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers."""
-EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts")
+EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts",
+                 "expert_routing")
 EXPERT_WEIGHTS = ("unit", "probability")
+EXPERT_ROUTINGS = ("learned", "hash")
 ATTENTION_SCORES = ("neutral", "seen-by")
 LEGACY_DEFAULTS: dict[str, dict[str, tuple[Any, Any]]] = {
     "model": {"expert_weight": ("probability", lambda model: model.get("experts", 0) > 0),
@@ -143,6 +145,11 @@ class ModelConfig:
     noop_experts: int = 0
     """--router integrated (integrated MoDE): no-op experts added to the MoE of the routed blocks; a token that
     chooses one skips the MLP."""
+    expert_routing: str = "learned"
+    """How a token's expert is chosen: learned (a gate, token choice) or hash (Hash Layers, Roller et al. 2021: a
+    fixed random table token id -> expert, balanced over the vocabulary, saved with the weights; no gate, weight 1,
+    no balancing loss, top-1). Real text is not balanced over the vocabulary (bytes: one of 4 experts gets 57%), so
+    raise --expert-capacity-factor with it: 2.5 drops almost nothing on the byte corpus."""
     arch: str = "mod"
     """Model family (modcli.models.families): mod (Mixture-of-Depths, dense with --dense), early-exit (LayerSkip: layer
     dropout, an exit loss at every block, exit decoding) or recursion (Mixture-of-Recursions)."""
@@ -213,6 +220,7 @@ class ModelConfig:
         if router.uses_noop_experts:
             require(self.experts >= 1 and self.noop_experts >= 1,
                     f"--router {self.router} (integrated MoDE) needs --experts >= 1 and --noop-experts >= 1")
+        self._check_expert_routing(router.uses_noop_experts)
         require(1 <= self.expert_top_k <= max(1, self.experts + self.noop_experts),
                 f"--expert-top-k must be in 1..{max(1, self.experts + self.noop_experts)} (the experts), "
                 f"got {self.expert_top_k}")
@@ -238,6 +246,21 @@ class ModelConfig:
                     "1)")
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
+
+    def _check_expert_routing(self, integrated: bool) -> None:
+        """--expert-routing and what hash routing (a fixed table, no gate) cannot do."""
+        require(self.expert_routing in EXPERT_ROUTINGS,
+                f"--expert-routing must be one of {', '.join(EXPERT_ROUTINGS)}, got {self.expert_routing!r}")
+        if self.expert_routing != "hash":
+            return
+        require(self.experts >= 1, "--expert-routing hash needs --experts >= 1")
+        require(not integrated and self.noop_experts == 0,
+                f"--expert-routing hash: integrated MoDE's gate chooses its no-op experts; use --router topk "
+                f"(staged MoDE) or --expert-routing learned, got --router {self.router}")
+        require(self.expert_top_k == 1, f"--expert-routing hash chooses one expert per token: --expert-top-k must "
+                                        f"be 1, got {self.expert_top_k}")
+        require(self.expert_weight == "unit", "--expert-weight probability: hash routing has no gate, its weight is "
+                                              "1 (--expert-weight unit)")
 
     def _check_arch(self) -> None:
         """--arch and the options that belong to one family only; a family without MoD routers gets route_every 0
@@ -354,7 +377,7 @@ class ModelConfig:
 
     def dense_mlp_twin(self) -> ModelConfig:
         """The fully dense model of the same shape: no routing and the dense SwiGLU MLP instead of experts."""
-        return dataclasses.replace(self.dense_twin(), experts=0, expert_top_k=1)
+        return dataclasses.replace(self.dense_twin(), experts=0, expert_top_k=1, expert_routing="learned")
 
 
 @dataclass

@@ -214,6 +214,7 @@ ExpertCapacityFactor = Annotated[Optional[float], field_option(MODEL, "expert_ca
 NoopExperts = Annotated[Optional[int], field_option(MODEL, "noop_experts")]
 AttentionScore = Annotated[Optional[str], field_option(MODEL, "attention_score")]
 ExpertWeight = Annotated[Optional[str], field_option(MODEL, "expert_weight")]
+ExpertRouting = Annotated[Optional[str], field_option(MODEL, "expert_routing")]
 Arch = Annotated[Optional[str], field_option(MODEL, "arch")]
 LayerDropoutMax = Annotated[Optional[float], field_option(MODEL, "layer_dropout_max")]
 ExitLossScale = Annotated[Optional[float], field_option(MODEL, "exit_loss_scale")]

@@ -44,6 +44,7 @@ def train(
     expert_capacity_factor: options.ExpertCapacityFactor = None,
     noop_experts: options.NoopExperts = None,
     expert_weight: options.ExpertWeight = None,
+    expert_routing: options.ExpertRouting = None,
     attention_score: options.AttentionScore = None,
     arch: options.Arch = None,
     layer_dropout_max: options.LayerDropoutMax = None,

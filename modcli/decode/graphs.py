@@ -118,11 +118,13 @@ def attend_cache_and_self(q: Tensor, keys: Tensor, values: Tensor, lengths: Tens
 
 
 def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-                  lengths: Tensor, part: str = "block") -> tuple[Tensor, Tensor, Tensor]:
+                  lengths: Tensor, part: str = "block", token_ids: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """f(x) for one token per row x (B, 1, D) against the read-only cache, and the token's K/V (B, Hkv, 1, hd).
 
-    `part` as in `Block.delta`: block (attention and MLP) or attention. Nothing is written: the caller stores the
-    returned K/V at slot lengths[b] of the rows that keep them (`write_new_rows`, or the runtime).
+    `part` as in `Block.delta`: block (attention and MLP) or attention. `token_ids` (B, 1): the tokens' ids (a
+    hash-routed MoE MLP reads them). Nothing is written: the caller stores the returned K/V at slot lengths[b] of
+    the rows that keep them (`write_new_rows`, or the runtime).
     """
     batch = x.shape[0]
     attn = block.attn
@@ -132,11 +134,11 @@ def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tenso
     attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
     if part == "attention":
         return attn_update, key_self, value_self
-    return attn_update + block.mlp(block.mlp_norm(x + attn_update)), key_self, value_self
+    return attn_update + block.mlp(block.mlp_norm(x + attn_update), token_ids), key_self, value_self
 
 
 def _process_rows(block: Block, part: str, cap: int, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor,
-                  values: Tensor, lengths: Tensor, router_logits: Tensor, decisions: Tensor
+                  values: Tensor, lengths: Tensor, router_logits: Tensor, decisions: Tensor, token_ids: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor]:
     """A routed block on at most `cap` of the B rows (every row that processes the token is among them: the caller
     checked decisions.sum() <= cap): gather those rows and their caches, run the block on (cap, 1, D), write back.
@@ -145,7 +147,7 @@ def _process_rows(block: Block, part: str, cap: int, x: Tensor, cos: Tensor, sin
     batch = x.shape[0]
     rows = (~decisions).to(torch.int32).topk(cap, largest=False).indices  # (cap,) the processing rows, then filler
     delta, new_keys, new_values = _decode_delta(block, x[rows], cos[rows], sin[rows], keys[rows], values[rows],
-                                                lengths[rows], part)  # (cap, 1, D), (cap, Hkv, 1, hd)
+                                                lengths[rows], part, token_ids[rows])  # (cap, 1, D), (cap, Hkv, 1, hd)
     weight = block.router.weight(router_logits[rows]).unsqueeze(-1)  # (cap, 1, 1)
     updated = residual_update(x[rows], delta, weight, keep=decisions[rows][:, None, None])  # filler rows: x as is
     x = x.index_put((rows,), updated)
@@ -227,13 +229,15 @@ class DecodeStepGraph(nn.Module):
         model = self.model
         config = model.config
         x = model.embed(tokens)[:, None]  # (B, 1, D)
+        token_ids = tokens[:, None]  # (B, 1): what a hash-routed MoE MLP reads
         cos, sin = config_rope(config, positions[:, None])  # (B, 1, hd/2)
         new_rows: list[Tensor] = []
         processed: list[Tensor] = []
         for layer, block in enumerate(model.blocks):
             keys, values, lengths = cache[3 * layer: 3 * layer + 3]
             if not block.routed:
-                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths)
+                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths,
+                                                            token_ids=token_ids)
                 x = x + delta.to(x.dtype)
                 new_rows += [new_keys, new_values]
                 continue
@@ -248,18 +252,21 @@ class DecodeStepGraph(nn.Module):
                                                                   "attention")
                 x = x + attn_update.to(x.dtype)
 
-                def mlp_only(x, router_logits, decisions, block=block):
+                def mlp_only(x, router_logits, decisions, token_ids, block=block):
                     weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
-                    return residual_update(x, block.mlp(block.mlp_norm(x)), weight, keep=decisions[:, None, None])
+                    return residual_update(x, block.mlp(block.mlp_norm(x), token_ids), weight,
+                                           keep=decisions[:, None, None])
 
-                x = self._branch(decisions, mlp_only, lambda x, router_logits, decisions: x.clone(),
-                                 (x, router_logits, decisions))
+                x = self._branch(decisions, mlp_only, lambda x, router_logits, decisions, token_ids: x.clone(),
+                                 (x, router_logits, decisions, token_ids))
                 new_rows += [new_keys, new_values]
                 processed.append(decisions)
                 continue
 
-            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block, part=part):
-                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths, part)
+            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, block=block,
+                        part=part):
+                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths, part,
+                                                            token_ids)
                 weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
                 x = residual_update(x, delta, weight, keep=decisions[:, None, None])  # skipped rows: x bit for bit
                 # Fresh (B, Hkv, 1, hd) tensors: both branches of a cond must return the same layout, and these are
@@ -267,7 +274,7 @@ class DecodeStepGraph(nn.Module):
                 return (x, new_keys.clone(memory_format=torch.contiguous_format),
                         new_values.clone(memory_format=torch.contiguous_format))
 
-            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block):
+            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, block=block):
                 # No cache input is read here: only x's shape and the cache's (static) dtype.
                 shape = (x.shape[0], block.attn.n_kv_heads, 1, block.attn.head_dim)
                 return (x.clone(), torch.zeros(shape, dtype=keys.dtype, device=x.device),
@@ -276,19 +283,19 @@ class DecodeStepGraph(nn.Module):
             if self.row_cap is not None and not self.branch_free and self.row_cap < x.shape[0]:
                 all_rows = process
 
-                def process(x, cos, sin, keys, values, lengths, router_logits, decisions, block=block, part=part,
-                            all_rows=all_rows, cap=self.row_cap):
-                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions):
+                def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, block=block,
+                            part=part, all_rows=all_rows, cap=self.row_cap):
+                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids):
                         return _process_rows(block, part, cap, x, cos, sin, keys, values, lengths, router_logits,
-                                             decisions)
+                                             decisions, token_ids)
 
                     return torch.cond(decisions.sum() <= cap, capped, all_rows,
-                                      (x, cos, sin, keys, values, lengths, router_logits, decisions))
+                                      (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids))
 
             x, new_keys, new_values = self._branch(
-                decisions, process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions))
+                decisions, process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids))
             if part == "attention":  # only attention was routed; the MLP runs on every row
-                x = x + block.mlp(block.mlp_norm(x))
+                x = x + block.mlp(block.mlp_norm(x), token_ids)
             new_rows += [new_keys, new_values]
             processed.append(decisions)
         logits = model.head(model.norm(x))[:, 0]  # (B, V)

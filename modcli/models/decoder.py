@@ -183,7 +183,8 @@ class SwiGLU(nn.Module):
         self.gate_up = nn.Linear(config.d_model, 2 * config.hidden, bias=False)
         self.down = nn.Linear(config.hidden, config.d_model, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """x (..., D) -> (..., D); `token_ids` is the MoE MLP's argument (hash routing), unused here."""
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -197,7 +198,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
-                           config.expert_capacity_factor, config.noop_experts_of(layer), config.expert_weight)
+                           config.expert_capacity_factor, config.noop_experts_of(layer), config.expert_weight,
+                           config.expert_routing, config.vocab_size)
                     if config.experts else SwiGLU(config))
         self.delta_dropout = nn.Dropout(config.dropout)
         self.routed = config.is_routed(layer)
@@ -209,21 +211,22 @@ class Block(nn.Module):
         self.next_causal_modes = router_class(config.router).capabilities.causal_modes if self.feeds_router else ()
 
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
-              part: str = "block") -> Tensor:
+              part: str = "block", token_ids: Tensor | None = None) -> Tensor:
         """f(x) of a pre-norm block without the residual: the attention update plus the MLP update (part "block"),
-        or only the attention update ("attention") or only the MLP update ("mlp")."""
+        or only the attention update ("attention") or only the MLP update ("mlp"). `token_ids` (B, n): the ids of
+        x's tokens, which a hash-routed MoE MLP reads."""
         if part == "mlp":
-            return self.delta_dropout(self.mlp(self.mlp_norm(x)))
+            return self.delta_dropout(self.mlp(self.mlp_norm(x), token_ids))
         attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received))
         if part == "attention":
             return attn_update
-        mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update)))
+        mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update), token_ids))
         return attn_update + mlp_update
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, routing: str, want_predictor: bool = False,
                 cache: LayerKVCache | None = None, cache_rows: Tensor | None = None, lengths: Tensor | None = None,
                 capacity: float | None = None, k: int | None = None, previous_attention: Tensor | None = None,
-                ) -> tuple[Tensor, RoutingRecord | Tensor | None]:
+                token_ids: Tensor | None = None) -> tuple[Tensor, RoutingRecord | Tensor | None]:
         """x (B, T, D), cos/sin (T, hd/2) -> (B, T, D), and: a routed block's RoutingRecord; for a dense block that
         feeds an attention-reading router (A-MoD) in a full-sequence mode, the attention each token received (B, T),
         which the model hands to the next block as `previous_attention`; else None.
@@ -232,7 +235,8 @@ class Block(nn.Module):
         fixed number of tokens, `k` (default from `capacity`, default the configured one). `lengths` (B,): rows
         are right-padded after their first `lengths` tokens (causal routing only). Padding is never selected by a
         routed block, and a dense block's cache counts only the real tokens, so the padded slots lie beyond each
-        row's length and decode appends overwrite them.
+        row's length and decode appends overwrite them. `token_ids` (B, T): the input ids (a hash-routed MoE MLP
+        reads them; a routed block hands its MLP those of the tokens it selected).
         """
         batch, seq_len, _ = x.shape
         every_token = None  # a prefill that caches every (real) token
@@ -242,7 +246,7 @@ class Block(nn.Module):
             every_token = (cache, cache_rows, counts)
         if not self.routed:
             received = {} if self.feeds_router and routing not in self.next_causal_modes else None
-            x = x + self.delta(x, cos[None], sin[None], every_token, received)
+            x = x + self.delta(x, cos[None], sin[None], every_token, received, token_ids=token_ids)
             return x, (received["scores"] if received else None)
 
         router = self.router
@@ -266,16 +270,17 @@ class Block(nn.Module):
         if part == "mlp":  # attention (and the KV cache) covers every token; only the MLP is routed
             x = x + self.delta(x, cos[None], sin[None], every_token, part="attention")
             cache = None
-        x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows)
+        x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows, token_ids)
         if part == "attention":  # only attention was routed; the MLP runs on every token
-            x = x + self.delta(x, cos[None], sin[None], part="mlp")
+            x = x + self.delta(x, cos[None], sin[None], part="mlp", token_ids=token_ids)
         return x, record
 
     def update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
-                        cache: LayerKVCache | None = None, cache_rows: Tensor | None = None) -> Tensor:
+                        cache: LayerKVCache | None = None, cache_rows: Tensor | None = None,
+                        token_ids: Tensor | None = None) -> Tensor:
         """Run the routed part of the block (--route-part) on the selected tokens only and write `x + w * f(x)` back
         at their positions; every other token (and every padding slot) stays x bit for bit. With `cache`, their
-        K/V are written to it (prefill)."""
+        K/V are written to it (prefill). `token_ids` (B, T): the ids of x's tokens; the MLP gets the selected ones."""
         idx = selection.selected_idx  # (B, k)
         if guard_or_false(idx.shape[1] == 0):  # compiled with k unknown: the general path handles k = 0 too
             if cache is not None:
@@ -283,18 +288,22 @@ class Block(nn.Module):
             return x  # no sequence processed any token: the block costs nothing
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None
-        delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.config.route_part)  # (B, k, D)
+        selected_ids = None if token_ids is None else token_ids.gather(1, idx)  # (B, k)
+        delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.config.route_part,
+                           token_ids=selected_ids)  # (B, k, D)
         weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
         keep = None if selection.valid is None else selection.valid.unsqueeze(-1)  # (B, k, 1)
         return scatter_tokens(x, idx, residual_update(x_selected, delta, weight, keep))
 
-    def decode(self, x: Tensor, positions: Tensor, routing: str, cache: LayerKVCache) -> Tensor:
-        """One token per sequence: x (B, 1, D), positions (B,). A skipped token does no attention/MLP work."""
+    def decode(self, x: Tensor, positions: Tensor, routing: str, cache: LayerKVCache,
+               token_ids: Tensor | None = None) -> Tensor:
+        """One token per sequence: x (B, 1, D), positions (B,), token_ids (B, 1) its id (for a hash-routed MoE
+        MLP). A skipped token does no attention/MLP work."""
         batch = x.shape[0]
         if not self.routed:
             rows = torch.arange(batch, device=x.device)
             cos, sin = config_rope(self.config, positions[:, None])
-            return x + self._decode_delta(x, cos, sin, cache, rows)
+            return x + self._decode_delta(x, cos, sin, cache, rows, token_ids=token_ids)
         router, part = self.router, self.config.route_part
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
         decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)
@@ -303,7 +312,7 @@ class Block(nn.Module):
         if part == "mlp":  # every row attends and is cached; only the MLP is routed
             rows = torch.arange(batch, device=x.device)
             cos, sin = config_rope(self.config, positions[:, None])
-            x = x + self._decode_delta(x, cos, sin, cache, rows, "attention")
+            x = x + self._decode_delta(x, cos, sin, cache, rows, "attention")  # no MLP: no ids
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
@@ -311,21 +320,23 @@ class Block(nn.Module):
             x_rows = x[rows]  # (n, 1, D)
             cos, sin = config_rope(self.config, positions[rows][:, None])
             weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
-            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part)  # (n, 1, D)
+            row_ids = None if token_ids is None else token_ids[rows]  # (n, 1)
+            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids)  # (n, 1, D)
             x = x.index_put((rows,), residual_update(x_rows, delta, weight))
         if part == "attention":  # only attention was routed; the MLP runs on every row
-            x = x + self.mlp(self.mlp_norm(x))
+            x = x + self.mlp(self.mlp_norm(x), token_ids)
         return x
 
     def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor,
-                      part: str = "block") -> Tensor:
-        """f(x) of one token per row (n, 1, D) with the KV cache; `part` as in `delta`."""
+                      part: str = "block", token_ids: Tensor | None = None) -> Tensor:
+        """f(x) of one token per row (n, 1, D) with the KV cache, `token_ids` (n, 1) their ids; `part` as in
+        `delta`."""
         if part == "mlp":
-            return self.mlp(self.mlp_norm(x))
+            return self.mlp(self.mlp_norm(x), token_ids)
         attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows)
         if part == "attention":
             return attn_update
-        return attn_update + self.mlp(self.mlp_norm(x + attn_update))
+        return attn_update + self.mlp(self.mlp_norm(x + attn_update), token_ids)
 
 
 class MoDDecoder(nn.Module):
@@ -428,7 +439,7 @@ class MoDDecoder(nn.Module):
         for layer, block in enumerate(self.blocks):
             layer_cache = cache.layers[layer] if cache is not None else None
             x, out = block(x, cos, sin, routing, return_aux, layer_cache, cache_rows, lengths, capacity, k,
-                           previous_attention)
+                           previous_attention, tokens)
             previous_attention = out if isinstance(out, Tensor) else None  # (B, T) for an A-MoD router next
             if isinstance(out, RoutingRecord):
                 records.append(out)
@@ -452,7 +463,7 @@ class MoDDecoder(nn.Module):
         self.check_routing(routing, causal=True)
         x = self.embed(tokens)[:, None]  # (B, 1, D)
         for layer, block in enumerate(self.blocks):
-            x = block.decode(x, cache.positions, routing, cache.layers[layer])
+            x = block.decode(x, cache.positions, routing, cache.layers[layer], tokens[:, None])
         cache.positions += 1
         return self.head(self.norm(x))[:, 0]  # (B, V)
 

@@ -54,14 +54,15 @@ def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = Fal
     A dense MLP: every token. An MoE MLP (modcli.models.moe): the gate scores every token over E + N experts; in training
     each real expert does its static capacity of C slots over the batch (whoever fills them), otherwise each token
     does top-k experts, of which E / (E + N) are real at the balanced share the load-balancing loss aims at (the
-    real share is learnt: `modcli profile` counts what the experts really did)."""
+    real share is learnt: `modcli profile` counts what the experts really did). Hash routing has no gate (a table
+    lookup)."""
     per_token = 2 * config.d_model * 2 * config.hidden + 2 * config.hidden * config.d_model  # SwiGLU gate+up, down
     tokens *= batch
     if not config.experts:
         return tokens * per_token, 0
 
     pool = config.experts + config.noop_experts_of(layer)
-    gate = 2 * tokens * config.d_model * pool
+    gate = 0 if config.expert_routing == "hash" else 2 * tokens * config.d_model * pool
     if training:
         slots = config.experts * expert_capacity(tokens, config.expert_top_k, pool, config.expert_capacity_factor)
     else:

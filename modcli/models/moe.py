@@ -27,6 +27,14 @@ Two dispatches, the same maths:
   which decoding one token cannot know). The experts loop over exactly the tokens that chose them (one host sync
   for their counts), so FLOPs and latency count only the experts a token really used.
 
+Hash routing (`routing="hash"`, --expert-routing hash; Hash Layers, Roller et al. 2021, arXiv 2106.04426): the
+expert is a fixed function of the token id, `hash_table[id]`, a buffer saved with the weights and built from a
+fixed seed as randperm(vocab) % E, so each expert gets vocab / E ids. There is no gate: the weight is 1, the
+balancing loss is 0 (nothing to balance), and the choice never moves while the experts train (a learned gate moves
+most tokens between experts on the tiny preset: docs/results.md). Capacity is kept: the table is balanced over the
+vocabulary, not over the data, so an expert whose ids are frequent overflows unless the factor is raised. The
+caller passes the token ids (B, n) of exactly the tokens in x (a routed block gathers them with its selection).
+
 The load-balancing loss is Switch Transformer's: (E + N) x sum_i f_i x P_i over all E + N experts, with f_i the
 share of the choices that go to expert i (before capacity) and P_i the mean gate probability of expert i. It aims
 at a uniform share, so with N no-op experts about N / (E + N) of the choices skip the MLP. The objective adds it
@@ -60,6 +68,15 @@ class ExpertStats:
 
 EXPERT_WEIGHTS = ("unit", "probability")
 """--expert-weight: how a chosen expert's gate probability scales its update (see the module docstring)."""
+HASH_TABLE_SEED = 0
+"""The seed of hash routing's table (`hash_table`): every run of the same vocabulary and E gets the same table."""
+
+
+def hash_table(vocab_size: int, experts: int) -> Tensor:
+    """(vocab,) token id -> expert, a fixed random permutation modulo E: each expert gets floor or ceil(vocab / E)
+    ids, the same for every run (HASH_TABLE_SEED)."""
+    generator = torch.Generator().manual_seed(HASH_TABLE_SEED)
+    return torch.randperm(vocab_size, generator=generator) % experts
 
 
 def expert_capacity(tokens: int, top_k: int, pool: int, capacity_factor: float) -> int:
@@ -82,12 +99,21 @@ class MoEMLP(nn.Module):
     """Token-choice top-k over `experts` SwiGLU experts (stacked weights) plus `noop_experts` that do nothing."""
 
     def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 1, capacity_factor: float = 1.25,
-                 noop_experts: int = 0, expert_weight: str = "unit") -> None:
+                 noop_experts: int = 0, expert_weight: str = "unit", routing: str = "learned",
+                 vocab_size: int = 0) -> None:
+        """`routing` learned (a gate) or hash (the fixed `hash_table` of `vocab_size` ids; top-1, no no-op
+        experts, no gate parameters)."""
         super().__init__()
         self.experts, self.noop_experts, self.top_k = experts, noop_experts, top_k
         self.expert_weight = expert_weight
         self.hidden, self.capacity_factor = hidden, capacity_factor
-        self.gate = nn.Linear(d_model, experts + noop_experts, bias=False)
+        self.hashed = routing == "hash"
+        if self.hashed:
+            if top_k != 1 or noop_experts or vocab_size < 1:
+                raise ValueError("hash routing is top-1 over the real experts of a known vocabulary")
+            self.register_buffer("hash_table", hash_table(vocab_size, experts))  # (vocab,) saved with the weights
+        else:
+            self.gate = nn.Linear(d_model, experts + noop_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(experts, d_model, 2 * hidden))  # (E, D, 2H)
         self.down = nn.Parameter(torch.empty(experts, hidden, d_model))  # (E, H, D)
         nn.init.normal_(self.gate_up, std=0.02)
@@ -98,18 +124,25 @@ class MoEMLP(nn.Module):
     def pool(self) -> int:
         return self.experts + self.noop_experts
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, n, D) -> gate probabilities (B, n, E + N) in float32, the chosen experts (B, n, K) and the weights
-        of their updates (B, n, K): their probabilities, or value 1 with the gradient of log p (`unit`)."""
+    def route(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor | None, Tensor, Tensor]:
+        """x (B, n, D) and its token ids (B, n) -> gate probabilities (B, n, E + N) in float32, the chosen experts
+        (B, n, K) and the weights of their updates (B, n, K): their probabilities, or value 1 with the gradient of
+        log p (`unit`). Hash routing: no probabilities (None), the table's expert of each id, weight 1."""
+        if self.hashed:
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE MLP needs the token ids of its tokens")
+            choice = self.hash_table[token_ids][..., None]  # (B, n, 1)
+            return None, choice, torch.ones(choice.shape, device=x.device)
         probs = self.gate(x).float().softmax(dim=-1)  # (B, n, pool)
         weight, choice = probs.topk(self.top_k, dim=-1)  # (B, n, K)
         if self.expert_weight == "unit":  # exactly 1 (x / x = 1 in floating point) unless p underflowed to 0
             weight = weight / weight.detach().clamp(min=torch.finfo(weight.dtype).tiny)
         return probs, choice, weight
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x (B, n, D) -> the MLP update (B, n, D); zero for a token whose choices were no-op or dropped."""
-        probs, choice, weight = self.route(x)
+    def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """x (B, n, D) -> the MLP update (B, n, D); zero for a token whose choices were no-op or dropped.
+        `token_ids` (B, n): the ids of x's tokens (read by hash routing only)."""
+        probs, choice, weight = self.route(x, token_ids)
         # A traced graph (export, torch.compile, a torch.cond branch) cannot read per-expert counts on the host.
         traced = torch.compiler.is_compiling()
         static = self.training or traced
@@ -126,7 +159,8 @@ class MoEMLP(nn.Module):
         if traced and not self.training:  # an inference graph has no use for the statistics (torch.cond forbids them)
             return out
         flat_choice = choice.flatten(0, 1)  # (B n, K)
-        aux = load_balancing_loss(probs.flatten(0, 1), flat_choice)
+        aux = (torch.zeros((), device=x.device) if probs is None  # hash routing: nothing to balance
+               else load_balancing_loss(probs.flatten(0, 1), flat_choice))
         load = F.one_hot(flat_choice, self.pool).float().sum(dim=1).mean(dim=0) / self.top_k  # (pool,)
         self.stats = ExpertStats(aux, load.detach(), dropped, load[self.experts:].sum().detach())
         return out

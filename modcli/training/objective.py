@@ -190,12 +190,13 @@ def block_match(model, tokens: Tensor, routing: str | None = None,
         for block in decoder.blocks[:last + 1]:
             if block.router is not None:
                 dense_in[block.layer] = x
-            x = x + block.delta(x, cos[None], sin[None])  # the dense block: every token, its whole update
+            x = x + block.delta(x, cos[None], sin[None], token_ids=tokens)  # the dense block: every token, all of it
             if block.router is not None:
                 dense_out[block.layer] = x
     records, errors = [], []
     for layer, x_in in dense_in.items():
-        routed, record = decoder.blocks[layer](x_in, cos, sin, routing, True, capacity=capacity)  # (B, T, D)
+        routed, record = decoder.blocks[layer](x_in, cos, sin, routing, True, capacity=capacity,
+                                               token_ids=tokens)  # (B, T, D)
         target = dense_out[layer]
         error = (routed.float() - target.float()).pow(2).sum()
         errors.append(error / (target.float() - x_in.float()).pow(2).sum().clamp(min=1e-12))

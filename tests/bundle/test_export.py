@@ -77,14 +77,17 @@ def test_forward_wrapper_equals_the_model_topk_forward():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("routing, part, kv_heads", [("router", "block", 0), ("predictor", "block", 2),
-                                                    ("router", "mlp", 0), ("router", "attention", 2)])
+@pytest.mark.parametrize("routing, part, kv_heads, experts", [
+    ("router", "block", 0, {}), ("predictor", "block", 2, {}), ("router", "mlp", 0, {}), ("router", "attention", 2, {}),
+    *[("router", part, 0, {"experts": 3, "expert_routing": "hash"}) for part in ("block", "mlp", "attention")],
+])
 @torch.no_grad()
-def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing, part, kv_heads):
+def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing, part, kv_heads, experts):
     """The read-only decode graph plus `write_new_rows` into static buffers = eager decode_step, for every
-    --route-part and grouped key/value heads; the graph's new rows have slot dim 1."""
+    --route-part, grouped key/value heads and hash-routed experts (which read the token ids); the graph's new rows
+    have slot dim 1."""
     torch.manual_seed(0)
-    model = MoDDecoder(tiny_model_config(route_part=part, n_kv_heads=kv_heads)).eval()
+    model = MoDDecoder(tiny_model_config(route_part=part, n_kv_heads=kv_heads, **experts)).eval()
     for block in model.blocks:
         if block.router is not None:
             block.router.score.bias.fill_(0.0)

@@ -48,12 +48,14 @@ MODELS = {
     "mode-staged": (dict(experts=2, expert_top_k=2), "router"),  # MoD routing + an MoE MLP in every block
     "mode-integrated": (dict(router="integrated", experts=2, noop_experts=1, predictor_hidden=0), None),
     "moe": (dict(route_every=0, experts=3, expert_top_k=1), None),
+    "moe-hash": (dict(route_every=0, experts=3, expert_routing="hash"), None),  # the expert: a table of the id
+    "mode-staged-hash": (dict(experts=2, expert_routing="hash"), "router"),  # the selected tokens' ids
     "untied-biases-rope": (dict(tie_embeddings=False, qkv_bias=True, n_kv_heads=1, head_size=12, norm_eps=1e-5,
                                 rope_base=50000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                                  "original_max_position_embeddings": 8}), "router"),
 }
-FAST = ("topk-router", "mode-staged")
+FAST = ("topk-router", "mode-staged", "mode-staged-hash")
 
 
 def save_run(root: Path, model: MoDDecoder, tokenizer: str = "bytes", state: dict | None = None) -> Path:
@@ -185,6 +187,22 @@ def test_the_folder_equals_modcli_logits_generate_and_routed_work(name, exported
         assert attention.total() == (processed if config.route_part != "mlp" else every)
         assert mlp.total() == (processed if config.route_part != "attention" else every)
         assert 0 < processed < every
+
+
+def test_hash_routing_travels_as_a_table_in_the_weights(exported):
+    """A hash-routed MoE has no gate in the folder; its table (token id -> expert) is an integer tensor of the
+    safetensors, loaded as the remote model's buffer, and the config says how the expert is chosen."""
+    from safetensors.torch import load_file
+
+    run, folder = exported("mode-staged-hash")
+    model, _, _ = load_model_from(run)
+    assert json.loads((folder / "config.json").read_text())["expert_routing"] == "hash"
+    state = load_file(str(folder / "model.safetensors"))
+    assert not any(".mlp.gate." in name for name in state)
+    hf = load(folder)
+    for ours, theirs in zip(model.blocks, hf.blocks, strict=True):
+        assert state[f"blocks.{ours.layer}.mlp.hash_table"].dtype == torch.int64
+        assert torch.equal(theirs.mlp.hash_table, ours.mlp.hash_table)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
 from tests.conftest import tiny_model_config
 
+HASH = {"experts": 2, "expert_routing": "hash"}  # staged MoDE whose experts a table of the token id chooses
 ATOL = 1e-4
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -66,6 +67,8 @@ def _eager_and_static(model: MoDDecoder, routing: str, compile: bool, lengths=(5
     ({}, "router"), ({}, "predictor"), ({"route_every": 0}, "dense"), ({"route_part": "mlp"}, "router"),
     ({"route_part": "attention"}, "router"), ({"router": "threshold"}, None), ({"router": "random"}, None),
     ({"n_kv_heads": 2}, "router"), ({"experts": 2}, "router"), ({"keep_first": 6}, "router"),
+    (HASH, "router"), ({**HASH, "route_part": "mlp"}, "router"), ({**HASH, "route_part": "attention"}, "router"),
+    ({**HASH, "route_every": 0}, "dense"),
 ])
 def test_static_decoder_equals_eager_decoding(overrides, routing):
     model = _model(**overrides)
@@ -78,10 +81,12 @@ def test_static_decoder_equals_eager_decoding(overrides, routing):
 
 
 @pytest.mark.slow
-def test_row_capped_steps_equal_eager_decoding_on_both_sides_of_the_cap():
+@pytest.mark.parametrize("overrides", [{}, HASH])
+def test_row_capped_steps_equal_eager_decoding_on_both_sides_of_the_cap(overrides):
     """Batch 6, capacity 0.25: a routed block computes at most 3 gathered rows when few rows process the token, all
-    rows otherwise; both kinds of step occur here and both equal eager decoding."""
-    model = _model()
+    rows otherwise; both kinds of step occur here and both equal eager decoding (a hash-routed MoE gets the
+    gathered rows' ids)."""
+    model = _model(**overrides)
     lengths = (3, 9, 5, 7, 4, 8)
     counts: list[int] = []  # rows that processed each step, per routed block, in the very run compared
     eager, static_logits, cache, static = _eager_and_static(model, "router", compile=False, lengths=lengths, steps=10,

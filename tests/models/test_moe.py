@@ -17,8 +17,8 @@ from modcli.cli import app
 from modcli.config import ModelConfig, RunConfig
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder, SwiGLU
-from modcli.models.flops import counted_flops
-from modcli.models.moe import MoEMLP, expert_capacity, load_balancing_loss
+from modcli.models.flops import counted_flops, mlp_flops
+from modcli.models.moe import MoEMLP, expert_capacity, hash_table, load_balancing_loss
 from tests.conftest import tiny_model_config, tiny_run_config
 
 ATOL = 1e-5
@@ -26,6 +26,8 @@ FAMILIES = {  # the three MoE models of the README table, tiny
     "moe": dict(experts=4, route_every=0),
     "staged": dict(experts=4, capacity=0.5),
     "integrated": dict(experts=4, router="integrated", noop_experts=2),
+    "moe-hash": dict(experts=4, route_every=0, expert_routing="hash"),  # the expert: a fixed table of the token id
+    "staged-hash": dict(experts=4, capacity=0.5, expert_routing="hash"),
 }
 
 
@@ -207,6 +209,77 @@ def test_cached_decoding_equals_the_causal_full_forward(name):
     torch.testing.assert_close(torch.stack(logits, dim=1), full[:, 9:], atol=1e-4, rtol=0)
 
 
+def test_the_hash_table_is_balanced_over_the_vocabulary_and_the_same_for_every_run():
+    table = hash_table(256, 4)
+    assert table.dtype == torch.int64 and torch.equal(table, hash_table(256, 4))
+    assert torch.bincount(table, minlength=4).tolist() == [64] * 4
+    assert sorted(torch.bincount(hash_table(10, 3), minlength=3).tolist()) == [3, 3, 4]  # floor or ceil(V / E)
+    assert not torch.equal(table, torch.arange(256) % 4)  # a random permutation, not neighbouring ids apart
+    torch.manual_seed(5)
+    first = MoDDecoder(tiny_model_config(**FAMILIES["moe-hash"]))
+    torch.manual_seed(6)
+    second = MoDDecoder(tiny_model_config(**FAMILIES["moe-hash"]))
+    for a, b in zip(first.moe_blocks(), second.moe_blocks(), strict=True):
+        assert torch.equal(a.hash_table, table) and torch.equal(b.hash_table, table)
+        assert not hasattr(a, "gate")  # no gate parameters: the table decides
+    assert "blocks.0.mlp.hash_table" in first.state_dict()  # it travels with the checkpoint
+
+
+@pytest.mark.parametrize("name", ["moe-hash", "staged-hash"])
+@pytest.mark.parametrize("training", [False, True])
+@torch.no_grad()
+def test_hash_routing_sends_each_token_to_the_table_expert_of_its_id(name, training):
+    """Every MoE block gets the ids of exactly the tokens it sees (a routed block: those it selected, gathered with
+    its selection) and sends each to expert hash_table[id] at weight 1; nothing to balance (loss 0)."""
+    model = family_model(name, expert_capacity_factor=100.0).train(training)  # room for every choice
+    tokens = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(2))
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def remember(module, args, output, layer):
+        seen[layer] = (args[0], args[1], output)
+
+    hooks = [block.mlp.register_forward_hook(lambda m, a, o, layer=block.layer: remember(m, a, o, layer))
+             for block in model.blocks]
+    _, aux = model(tokens, return_aux=True)
+    for hook in hooks:
+        hook.remove()
+    selected = {record.layer: record.selection.selected_idx for record in aux.records}
+    assert (name == "staged-hash") == bool(selected)
+    for block in model.blocks:
+        x, ids, update = seen[block.layer]
+        expected_ids = tokens.gather(1, selected[block.layer]) if block.layer in selected else tokens
+        assert torch.equal(ids, expected_ids)  # (B, n): the ids of exactly the tokens in x
+        moe = block.mlp
+        _, choice, weight = moe.route(x, ids)
+        assert torch.equal(choice[..., 0], moe.hash_table[ids]) and torch.equal(weight, torch.ones_like(weight))
+        by_hand = torch.stack([torch.stack([moe.expert(int(e), x[b, t]) for t, e in enumerate(choice[b, :, 0])])
+                               for b in range(x.shape[0])])  # (B, n, D)
+        torch.testing.assert_close(update, by_hand, atol=ATOL, rtol=0)
+        stats = aux.experts[block.layer]
+        assert stats.aux_loss.item() == 0 and stats.dropped.item() == 0
+
+
+def test_hash_routing_has_no_gate_flops_and_its_capacity_still_drops():
+    """The table costs no gate FLOPs; capacity still holds in training: the table is balanced over the vocabulary,
+    not over the data, so a batch of one id overflows its expert."""
+    learned, hashed = (tiny_model_config(**FAMILIES["moe"]), tiny_model_config(**FAMILIES["moe-hash"]))
+    assert mlp_flops(learned, 0, 64)[1] > 0 and mlp_flops(hashed, 0, 64)[1] == 0
+    assert mlp_flops(learned, 0, 64)[0] == mlp_flops(hashed, 0, 64)[0]
+    model = family_model("moe-hash").train()
+    tokens = torch.full((2, 16), 7)  # every token chooses one expert: 1.25 x 32 / 4 = 10 slots of 32 choices
+    _, aux = model(tokens, return_aux=True)
+    assert all(stats.dropped.item() == pytest.approx(22 / 32) for stats in aux.experts.values())
+    assert all(stats.load.max().item() == 1.0 for stats in aux.experts.values())
+
+
+def test_a_hash_routed_moe_needs_the_token_ids():
+    moe = MoEMLP(16, 24, 4, routing="hash", vocab_size=256)
+    with pytest.raises(ValueError, match="needs the token ids"):
+        moe(torch.randn(1, 3, 16))
+    with pytest.raises(ValueError, match="top-1"):
+        MoEMLP(16, 24, 4, top_k=2, routing="hash", vocab_size=256)
+
+
 def test_integrated_mode_puts_noop_experts_only_in_the_routed_blocks_and_twins_drop_them():
     config = tiny_model_config(**FAMILIES["integrated"])
     model = MoDDecoder(config)
@@ -342,15 +415,35 @@ def test_a_config_saved_before_expert_weight_loads_with_the_probability_weight()
     assert RunConfig.read_saved(dense).model.expert_weight == "unit"  # no experts: nothing to keep
 
 
+def test_a_run_saved_before_expert_routing_loads_learned_and_computes_as_before(tmp_path):
+    """A config.json without the field is a learned gate's; its checkpoint (a gate, no table) loads strictly and
+    gives the logits it gave when saved."""
+    from modcli.checkpoint.store import load_model_from, save_checkpoint
+
+    model = family_model("staged")
+    run = RunConfig(model=model.config)
+    save_checkpoint(tmp_path, 1, model, None, run, {"step": 1}, keep=1)
+    (saved_config,) = tmp_path.glob("step-*/config.json")
+    saved = json.loads(saved_config.read_text())
+    del saved["model"]["expert_routing"]
+    saved_config.write_text(json.dumps(saved))
+    loaded, config, _ = load_model_from(str(tmp_path), "cpu")
+    assert config.model.expert_routing == "learned" and RunConfig.read_saved(saved).model.expert_routing == "learned"
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens, "router"), model(tokens, "router"), atol=0, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def trained_families(tmp_path_factory, corpus_file) -> dict[str, str]:
     runs = {}
-    for name in ("staged", "integrated"):
+    for name in ("staged", "integrated", "staged-hash"):
         out = tmp_path_factory.mktemp("moe") / name
         args = ["train", "--data", str(corpus_file), "--out", str(out), "--d-model", "32", "--n-layers", "4",
                 "--n-heads", "4", "--seq-len", "32", "--batch-size", "4", "--max-steps", "4", "--eval-every", "4",
                 "--eval-batches", "1", "--device", "cpu", "--experts", "4", "--json"]
-        args += ["--capacity", "0.5"] if name == "staged" else ["--router", "integrated", "--noop-experts", "2"]
+        args += {"staged": ["--capacity", "0.5"], "integrated": ["--router", "integrated", "--noop-experts", "2"],
+                 "staged-hash": ["--capacity", "0.5", "--expert-routing", "hash"]}[name]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
         runs[name] = str(out)
@@ -358,7 +451,7 @@ def trained_families(tmp_path_factory, corpus_file) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["staged", "integrated"])
+@pytest.mark.parametrize("name", ["staged", "integrated", "staged-hash"])
 def test_every_command_works_with_mode(name, trained_families, tmp_path):
     runner, run = CliRunner(), trained_families[name]
     result = runner.invoke(app, ["eval", run, "--batches", "1", "--batch-size", "2", "--device", "cpu", "--json"])
@@ -381,7 +474,7 @@ def test_every_command_works_with_mode(name, trained_families, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["staged", "integrated"])
+@pytest.mark.parametrize("name", ["staged", "integrated", "staged-hash"])
 def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
     from modcli.bundle.writer import ExportConfig, export
 
@@ -403,6 +496,17 @@ def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
     (["--experts", "4", "--expert-capacity-warmup", "-1"], "--expert-capacity-warmup must be >= 0"),
     (["--experts", "4", "--expert-gate-lr-scale", "0"], "--expert-gate-lr-scale must be positive"),
     (["--arch", "early-exit", "--expert-weight", "probability"], "--expert-weight: --arch early-exit has dense MLPs"),
+    (["--experts", "4", "--expert-routing", "random"], "--expert-routing must be one of learned, hash"),
+    (["--expert-routing", "hash"], "--expert-routing hash needs --experts >= 1"),
+    (["--experts", "4", "--router", "integrated", "--noop-experts", "2", "--expert-routing", "hash"],
+     "--expert-routing hash: integrated MoDE's gate chooses its no-op experts"),
+    (["--experts", "4", "--expert-top-k", "2", "--expert-routing", "hash"],
+     "--expert-routing hash chooses one expert per token: --expert-top-k must be 1"),
+    (["--experts", "4", "--expert-weight", "probability", "--expert-routing", "hash"],
+     "--expert-weight probability: hash routing has no gate"),
+    (["--arch", "recursion", "--n-layers", "5", "--expert-routing", "hash"],
+     "--expert-routing: --arch recursion has dense MLPs"),
+    (["--arch", "early-exit", "--experts", "4", "--expert-routing", "hash"], "--arch early-exit has dense MLPs"),
 ])
 def test_bad_expert_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
     result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"), *args])
@@ -415,3 +519,4 @@ def test_config_kind_names_each_family():
     assert ModelConfig(route_every=0).kind == "dense"
     assert ModelConfig().kind == "MoD topk, c=0.125"
     assert ModelConfig(experts=4).kind == "staged MoDE (MoD topk, c=0.125, E=4, top-1)"
+    assert ModelConfig(experts=4, route_every=0, expert_routing="hash").kind == "MoE (E=4, top-1, hash)"

@@ -123,7 +123,8 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
     if why is not None:
         raise UserError(why)
     config = model.config
-    state = {name: tensor.detach().to(dtype).contiguous() for name, tensor in model.state_dict().items()}
+    state = {name: (tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()).contiguous()
+             for name, tensor in model.state_dict().items()}  # integer buffers (hash routing's table) stay as they are
     architecture = plain_architecture(config, source)
     if architecture is not None:
         return Converted(_plain_config(config, architecture, dtype), _plain_state(config, state), True, architecture)
@@ -137,7 +138,7 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
         "router_hidden": config.router_hidden, "predictor_hidden": config.predictor_hidden,
         "keep_first": config.keep_first, "capacity": config.capacity, "experts": config.experts,
         "expert_top_k": config.expert_top_k, "noop_layers": config.noop_layers(), "noop_experts": config.noop_experts,
-        "expert_weight": config.expert_weight,
+        "expert_weight": config.expert_weight, "expert_routing": config.expert_routing,
         "route_decision": "score", "route_cut": 0.0, "route_score": False,
     }
     routers = [block.router for block in model.blocks if block.router is not None]

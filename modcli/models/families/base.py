@@ -55,7 +55,7 @@ class Family:
 
     def describe(self, config) -> str:
         """What the model is, in words: dense, MoE, MoD, staged MoDE or integrated MoDE."""
-        moe = f"E={config.experts}, top-{config.expert_top_k}"
+        moe = f"E={config.experts}, top-{config.expert_top_k}" + (", hash" if config.expert_routing == "hash" else "")
         if config.noop_layers():
             return f"integrated MoDE ({moe}, {config.noop_experts} no-op)"
         if config.dense:

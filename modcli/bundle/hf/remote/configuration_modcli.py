@@ -20,7 +20,7 @@ class ModcliConfig(PretrainedConfig):
                  router_weight: str = "sigmoid", router_hidden: int = 0, predictor_hidden: int = 0,
                  keep_first: int = 0, capacity: float = 1.0, experts: int = 0, expert_top_k: int = 1,
                  noop_layers: list[int] | None = None, noop_experts: int = 0,
-                 expert_weight: str = "probability", use_cache: bool = True,
+                 expert_weight: str = "probability", expert_routing: str = "learned", use_cache: bool = True,
                  **kwargs) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -49,5 +49,6 @@ class ModcliConfig(PretrainedConfig):
         self.noop_layers = list(noop_layers or [])  # blocks whose MoE has no-op experts (integrated MoDE)
         self.noop_experts = noop_experts
         self.expert_weight = expert_weight  # "unit": a chosen expert's update is not scaled; "probability": by p
+        self.expert_routing = expert_routing  # "learned": a gate chooses; "hash": the table hash_table[token id]
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -189,7 +189,8 @@ class SwiGLU(nn.Module):
         self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ids: Tensor | None = None) -> Tensor:
+        """x (..., D) -> (..., D); `ids` is the MoE MLP's argument, unused here."""
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -197,28 +198,38 @@ class SwiGLU(nn.Module):
 class MoEMLP(nn.Module):
     """Token-choice top-k over the real experts and `noop_experts` that do nothing; a token's update is the sum of
     its chosen real experts' outputs times their gate probabilities (softmax over all experts, not renormalised), or
-    times 1 where the run trained with `expert_weight = "unit"`.
+    times 1 where the run trained with `expert_weight = "unit"`. With `expert_routing = "hash"` there is no gate: a
+    token's one expert is `hash_table[its id]` (a table saved with the weights), at weight 1.
     Each real expert runs on exactly the tokens that chose it; a token whose choices are all no-op skips the MLP."""
 
     def __init__(self, config: ModcliConfig, noop_experts: int) -> None:
         super().__init__()
         d_model, hidden = config.hidden_size, config.intermediate_size
-        self.experts, self.top_k = config.experts, config.expert_top_k
+        self.experts, self.top_k, self.pool = config.experts, config.expert_top_k, config.experts + noop_experts
         self.unit_weight = config.expert_weight == "unit"
-        self.gate = nn.Linear(d_model, config.experts + noop_experts, bias=False)
+        self.hashed = config.expert_routing == "hash"
+        if self.hashed:
+            self.register_buffer("hash_table", torch.zeros(config.vocab_size, dtype=torch.long))  # (vocab,)
+        else:
+            self.gate = nn.Linear(d_model, self.pool, bias=False)
         self.gate_up = nn.Parameter(torch.zeros(config.experts, d_model, 2 * hidden))  # (E, D, 2H)
         self.down = nn.Parameter(torch.zeros(config.experts, hidden, d_model))  # (E, H, D)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        """x (..., D) and the ids of its tokens (...) -> the MLP update (..., D)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # (N, D)
-        weight, choice = self.gate(tokens).float().softmax(dim=-1).topk(self.top_k, dim=-1)  # (N, K)
+        if self.hashed:
+            choice = self.hash_table[ids.reshape(-1)][:, None]  # (N, 1)
+            weight = torch.ones(choice.shape, device=x.device)
+        else:
+            weight, choice = self.gate(tokens).float().softmax(dim=-1).topk(self.top_k, dim=-1)  # (N, K)
         if self.unit_weight:
             weight = torch.ones_like(weight)
         flat_choice, flat_weight = choice.reshape(-1), weight.reshape(-1)  # (N K,)
         token_of = torch.arange(tokens.shape[0], device=x.device).repeat_interleave(self.top_k)  # (N K,)
         order = flat_choice.argsort(stable=True)  # choices grouped by expert, no-op experts last
-        counts = torch.bincount(flat_choice, minlength=self.gate.out_features)[:self.experts].tolist()
+        counts = torch.bincount(flat_choice, minlength=self.pool)[:self.experts].tolist()
         out = torch.zeros_like(tokens)
         start = 0
         for e, count in enumerate(counts):
@@ -291,8 +302,9 @@ class Block(nn.Module):
         config = self.config
         return rope_tables(picked.gather(positions), config.head_dim, config.rope_base, config.llama3_rope_scaling)
 
-    def forward(self, x: Tensor, positions: Tensor, real: Tensor, cache: LayerCache) -> Tensor:
-        """x (B, n, D), positions (B, n), real (B, n) bool (False: padding) -> (B, n, D)."""
+    def forward(self, x: Tensor, positions: Tensor, real: Tensor, cache: LayerCache, ids: Tensor) -> Tensor:
+        """x (B, n, D), positions (B, n), real (B, n) bool (False: padding), ids (B, n) the token ids (what a
+        hash-routed MoE MLP reads) -> (B, n, D)."""
         logits, chosen = None, real
         if self.routed:
             logits = self.router.logits(x)  # (B, n) or None
@@ -308,16 +320,18 @@ class Block(nn.Module):
         picked = Picked(chosen)
         if not picked.empty:  # no row picked any token: the block costs nothing
             h = picked.gather(x)  # (r, k, D)
+            picked_ids = picked.gather(ids)  # (r, k)
             if self.part == "mlp":
-                delta = self.mlp(self.mlp_norm(h))
+                delta = self.mlp(self.mlp_norm(h), picked_ids)
             else:
                 attn_update = self.attn(self.attn_norm(h), *self.rope(positions, picked), picked, cache)
-                delta = attn_update if self.part == "attention" else attn_update + self.mlp(self.mlp_norm(h + attn_update))
+                delta = (attn_update if self.part == "attention"
+                         else attn_update + self.mlp(self.mlp_norm(h + attn_update), picked_ids))
             weight = self.router.weight(logits, picked) if self.routed else None
             updated = (h + delta if weight is None else h + weight * delta).to(h.dtype)
             x = picked.scatter(x, torch.where(picked.valid[..., None], updated, h))
         if self.part == "attention":  # only attention was routed; the MLP runs on every token
-            x = x + self.mlp(self.mlp_norm(x))
+            x = x + self.mlp(self.mlp_norm(x), ids)
         return x
 
 
@@ -382,7 +396,7 @@ class ModcliForCausalLM(ModcliPreTrainedModel, GenerationMixin):
         positions = cache.positions[:, None] + real.long().cumsum(dim=1) - 1  # (B, n) each row counts its own tokens
         x = self.embed(input_ids)  # (B, n, D)
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
-            x = block(x, positions, real, layer_cache)
+            x = block(x, positions, real, layer_cache, input_ids)
         cache.positions = cache.positions + real.sum(dim=1)
         cache.seen += n
         kept = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
