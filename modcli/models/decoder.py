@@ -202,6 +202,8 @@ class Block(nn.Module):
                            config.expert_routing, config.vocab_size)
                     if config.experts else SwiGLU(config))
         self.delta_dropout = nn.Dropout(config.dropout)
+        # Only a hash-routed MoE MLP reads token ids: other blocks gather none (an operator per routed block saved)
+        self.mlp_reads_ids = isinstance(self.mlp, MoEMLP) and self.mlp.hashed
         self.routed = config.is_routed(layer)
         self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
         # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received,
@@ -288,7 +290,7 @@ class Block(nn.Module):
             return x  # no sequence processed any token: the block costs nothing
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None
-        selected_ids = None if token_ids is None else token_ids.gather(1, idx)  # (B, k)
+        selected_ids = token_ids.gather(1, idx) if token_ids is not None and self.mlp_reads_ids else None  # (B, k)
         delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.config.route_part,
                            token_ids=selected_ids)  # (B, k, D)
         weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
@@ -320,7 +322,7 @@ class Block(nn.Module):
             x_rows = x[rows]  # (n, 1, D)
             cos, sin = config_rope(self.config, positions[rows][:, None])
             weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
-            row_ids = None if token_ids is None else token_ids[rows]  # (n, 1)
+            row_ids = token_ids[rows] if token_ids is not None and self.mlp_reads_ids else None  # (n, 1)
             delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids)  # (n, 1, D)
             x = x.index_put((rows,), residual_update(x_rows, delta, weight))
         if part == "attention":  # only attention was routed; the MLP runs on every row
