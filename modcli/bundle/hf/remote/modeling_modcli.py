@@ -320,7 +320,7 @@ class Block(nn.Module):
         picked = Picked(chosen)
         if not picked.empty:  # no row picked any token: the block costs nothing
             h = picked.gather(x)  # (r, k, D)
-            picked_ids = picked.gather(ids)  # (r, k)
+            picked_ids = picked.gather(ids) if getattr(self.mlp, "hashed", False) else None  # (r, k): hash routing's
             if self.part == "mlp":
                 delta = self.mlp(self.mlp_norm(h), picked_ids)
             else:
