@@ -23,16 +23,18 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 TRAINABLE = ("all", "routers", "routers+norms")
 OBJECTIVES = ("lm", "block-match")
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
-                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts", "expert_routing")
+                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts", "expert_routing",
+                "hash_table")
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 DTYPES = ("float32", "bfloat16", "float16")
 MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
                       "threshold", "capacity_max", "route_part", "predictor_hidden", "keep_first")
 """ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers."""
 EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts",
-                 "expert_routing")
+                 "expert_routing", "hash_table")
 EXPERT_WEIGHTS = ("unit", "probability")
 EXPERT_ROUTINGS = ("learned", "hash")
+HASH_TABLES = ("random", "balanced")
 ATTENTION_SCORES = ("neutral", "seen-by")
 LEGACY_DEFAULTS: dict[str, dict[str, tuple[Any, Any]]] = {
     "model": {"expert_weight": ("probability", lambda model: model.get("experts", 0) > 0),
@@ -149,7 +151,14 @@ class ModelConfig:
     """How a token's expert is chosen: learned (a gate, token choice) or hash (Hash Layers, Roller et al. 2021: a
     fixed random table token id -> expert, balanced over the vocabulary, saved with the weights; no gate, weight 1,
     no balancing loss, top-1). Real text is not balanced over the vocabulary (bytes: one of 4 experts gets 57%), so
-    raise --expert-capacity-factor with it: 2.5 drops almost nothing on the byte corpus."""
+    use --hash-table balanced with it (or raise --expert-capacity-factor: 2.5 drops almost nothing on the byte corpus
+    with the random table)."""
+    hash_table: str = "random"
+    """--expert-routing hash: how `modcli train` builds the table. random: a fixed permutation of the vocabulary
+    modulo E, the same for every run (each expert gets vocab / E ids); balanced: Hash Layers' balanced assignment
+    over the training split, the most frequent ids first, each to the expert with the fewest training tokens so far
+    (on the byte corpus with E = 4 the experts get 28/24/24/24% of the tokens, against 57% for one with random).
+    The table is saved with the weights; --resume and --init-from keep the saved one."""
     arch: str = "mod"
     """Model family (modcli.models.families): mod (Mixture-of-Depths, dense with --dense), early-exit (LayerSkip: layer
     dropout, an exit loss at every block, exit decoding) or recursion (Mixture-of-Recursions)."""
@@ -251,7 +260,10 @@ class ModelConfig:
         """--expert-routing and what hash routing (a fixed table, no gate) cannot do."""
         require(self.expert_routing in EXPERT_ROUTINGS,
                 f"--expert-routing must be one of {', '.join(EXPERT_ROUTINGS)}, got {self.expert_routing!r}")
+        require(self.hash_table in HASH_TABLES,
+                f"--hash-table must be one of {', '.join(HASH_TABLES)}, got {self.hash_table!r}")
         if self.expert_routing != "hash":
+            require(self.hash_table == "random", "--hash-table is an option of --expert-routing hash")
             return
         require(self.experts >= 1, "--expert-routing hash needs --experts >= 1")
         require(not integrated and self.noop_experts == 0,

@@ -45,6 +45,7 @@ def train(
     noop_experts: options.NoopExperts = None,
     expert_weight: options.ExpertWeight = None,
     expert_routing: options.ExpertRouting = None,
+    hash_table: options.HashTable = None,
     attention_score: options.AttentionScore = None,
     arch: options.Arch = None,
     layer_dropout_max: options.LayerDropoutMax = None,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
@@ -38,13 +39,14 @@ from modcli.checkpoint.store import (
     save_checkpoint,
 )
 from modcli.compiling import CompileStats, compile_module, graph_break_counts
-from modcli.config import SHAPE_FIELDS, RunConfig, TrainConfig
+from modcli.config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainConfig
 from modcli.data.corpus import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
 from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.hardware import autocast, seed_everything
 from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
+from modcli.models.moe import balance_hash_tables
 from modcli.models.routing.calibration import calibrate_causal_rules
 from modcli.reports.console import MetricsLog, StepProgress, stderr_console
 from modcli.training import distributed
@@ -214,6 +216,7 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     if tc.resume:
         _loading(lambda checkpoint: check_weights_file(checkpoint, mc), existing[-1], existing)
     model = build_model(mc)
+    table_note = _balance_hash_tables(model, corpus, mc) if not tc.resume and init is None else None
     resume_state = optimizer_state = None
     init_val_loss = None
     if tc.resume:
@@ -239,7 +242,7 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
     scaler = torch.amp.GradScaler(context.device.type, enabled=tc.dtype == "float16")
     prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss,
-                         calibration=calibration)
+                         calibration=calibration, notes=[table_note] if table_note else [])
     torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
     if resume_state is not None:
         newest = existing[-1]
@@ -257,6 +260,17 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
         except (KeyError, ValueError, TypeError, RuntimeError) as exc:
             raise UserError(f"{newest / 'state.json'} is damaged: {' '.join(str(exc).split())[:200]}") from None
     return prepared
+
+
+def _balance_hash_tables(model: torch.nn.Module, corpus: Corpus, mc: ModelConfig) -> str | None:
+    """--hash-table balanced: the hash-routed MLPs' tables from the training split's token counts (a resumed or
+    converted run keeps the table in its weights); returns the line that says what each expert got."""
+    if mc.expert_routing != "hash" or mc.hash_table != "balanced":
+        return None
+    counts = torch.from_numpy(np.bincount(corpus.train, minlength=mc.vocab_size)[:mc.vocab_size].astype(np.int64))
+    shares = balance_hash_tables(model, counts)
+    return (f"hash table balanced over the {len(corpus.train):,} training tokens: the {mc.experts} experts get "
+            f"{' / '.join(f'{100 * share:.1f}' for share in shares)}% of them")
 
 
 def _calibrate(model: MoDDecoder, corpus: Corpus, config: RunConfig,
@@ -367,7 +381,7 @@ def train(config: RunConfig, quiet: bool = False) -> TrainResult:
             if context.is_main:  # rank 0 writes the run folder, so rank 0 holds its lock
                 lock, notes = lock_run_folder(Path(config.train.out))
             prepared = _prepare(config, context)
-            prepared.notes = notes
+            prepared.notes = [*notes, *prepared.notes]
         except UserError as exc:
             error = exc
         distributed.agree_on_errors(context, error)

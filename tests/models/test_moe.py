@@ -7,6 +7,7 @@ right choices; the causal modes are causal; cached decoding equals the causal fu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -18,7 +19,7 @@ from modcli.config import ModelConfig, RunConfig
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder, SwiGLU
 from modcli.models.flops import counted_flops, mlp_flops
-from modcli.models.moe import MoEMLP, expert_capacity, hash_table, load_balancing_loss
+from modcli.models.moe import MoEMLP, balanced_hash_table, expert_capacity, hash_table, load_balancing_loss
 from tests.conftest import tiny_model_config, tiny_run_config
 
 ATOL = 1e-5
@@ -223,6 +224,51 @@ def test_the_hash_table_is_balanced_over_the_vocabulary_and_the_same_for_every_r
         assert torch.equal(a.hash_table, table) and torch.equal(b.hash_table, table)
         assert not hasattr(a, "gate")  # no gate parameters: the table decides
     assert "blocks.0.mlp.hash_table" in first.state_dict()  # it travels with the checkpoint
+
+
+def test_the_balanced_table_gives_frequent_ids_their_own_experts_and_spreads_unseen_ids():
+    counts = torch.tensor([50, 0, 30, 10, 10, 0, 0, 0, 5, 0])  # ids 0, 2 most frequent; five never seen
+    table = balanced_hash_table(counts, 3)
+    assert torch.equal(table, balanced_hash_table(counts, 3))  # deterministic: no seed, ties by id then expert
+    assert table[0] != table[2]  # the two most frequent ids in different experts
+    load = torch.zeros(3, dtype=torch.long).index_add_(0, table, counts).tolist()
+    assert sorted(load) == [25, 30, 50]  # greedy: 50 | 30 | 10 + 10 + 5
+    assert sorted(torch.bincount(table, minlength=3).tolist()) == [3, 3, 4]  # the unseen ids fill the id counts
+    # the greedy bound: every expert's load is within the largest count of the mean
+    counts = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(1))
+    load = torch.zeros(4, dtype=torch.long).index_add_(0, balanced_hash_table(counts, 4), counts)
+    assert (load - counts.sum() / 4).abs().max() <= counts.max()
+
+
+def test_training_with_the_balanced_table_saves_it_and_resume_keeps_it(tmp_path, corpus_file, monkeypatch):
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from modcli.config import DataConfig
+    from modcli.data.corpus import load_corpus
+    from modcli.training.loop import train
+
+    base = tiny_run_config(corpus_file, tmp_path / "run", max_steps=2, eval_every=2)
+    model = tiny_model_config(**FAMILIES["staged-hash"], hash_table="balanced")
+    config = RunConfig(model=model, data=base.data, train=base.train)
+    train(config, quiet=True)
+    train_split = load_corpus(DataConfig(data=str(corpus_file)), model.seq_len).train
+    counts = torch.from_numpy(np.bincount(train_split, minlength=model.vocab_size).astype(np.int64))
+    expected = balanced_hash_table(counts, 4)
+    assert not torch.equal(expected, hash_table(model.vocab_size, 4))
+    saved = load_file(str(tmp_path / "run" / "step-00000002" / "model.safetensors"))
+    tables = [name for name in saved if name.endswith("hash_table")]
+    assert tables and all(torch.equal(saved[name], expected) for name in tables)
+    assert json.loads((tmp_path / "run" / "step-00000002" / "config.json").read_text())["model"]["hash_table"] \
+        == "balanced"
+    def rebuild(*args):
+        raise AssertionError("--resume rebuilt the table")
+
+    monkeypatch.setattr("modcli.models.moe.balanced_hash_table", rebuild)
+    resumed = RunConfig(model=model, data=base.data, train=dataclasses.replace(base.train, max_steps=3, resume=True))
+    train(resumed, quiet=True)
+    again = load_file(str(tmp_path / "run" / "step-00000003" / "model.safetensors"))  # the saved table, not rebuilt
+    assert all(torch.equal(again[name], expected) for name in tables)
 
 
 @pytest.mark.parametrize("name", ["moe-hash", "staged-hash"])
@@ -507,6 +553,9 @@ def test_onnx_graphs_equal_eager_pytorch(name, trained_families, tmp_path):
     (["--arch", "recursion", "--n-layers", "5", "--expert-routing", "hash"],
      "--expert-routing: --arch recursion has dense MLPs"),
     (["--arch", "early-exit", "--experts", "4", "--expert-routing", "hash"], "--arch early-exit has dense MLPs"),
+    (["--experts", "4", "--hash-table", "balanced"], "--hash-table is an option of --expert-routing hash"),
+    (["--experts", "4", "--expert-routing", "hash", "--hash-table", "sorted"],
+     "--hash-table must be one of random, balanced"),
 ])
 def test_bad_expert_flags_exit_2_with_one_line(args, message, tmp_path, corpus_file):
     result = CliRunner().invoke(app, ["train", "--data", str(corpus_file), "--out", str(tmp_path / "run"), *args])

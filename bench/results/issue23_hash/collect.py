@@ -4,6 +4,9 @@ time, `modcli eval` causal losses and the dropped share of expert choices per st
 
     python bench/results/issue23_hash/collect.py runs logs > bench/results/issue23_hash/runs.jsonl
 
+(The `--hash-table balanced` runs were collected from their own folders and appended with `>>`; runs made before
+the option have the random table, `"hash_table": "random"`.)
+
 It also copies each run's `modcli eval --json` output and its last checkpoint's config.json next to runs.jsonl
 (NAME.eval.json, NAME.config.json).
 
@@ -48,8 +51,9 @@ def main() -> None:
         (here / f"{name}.config.json").write_text(config_file.read_text())
         print(json.dumps({
             "run": name, "command": (logs / f"{name}.command.txt").read_text().strip(),
-            "model": {key: config["model"][key] for key in ("experts", "expert_routing", "expert_capacity_factor",
-                                                            "route_every", "router", "d_model", "n_layers")},
+            "model": {key: config["model"].get(key, "random" if key == "hash_table" else None)
+                      for key in ("experts", "expert_routing", "hash_table", "expert_capacity_factor",
+                                  "route_every", "router", "d_model", "n_layers")},
             "seed": config["train"]["seed"], "steps": train["steps"], "train_flops": train["flops"],
             "train_wall_s": json.loads(time_file.read_text())["train_s"], "tokens_per_s": round(train["tokens_per_s"]),
             "eval": {r["routing"]: round(r["loss"], 4) for r in evaluation["results"]},
