@@ -31,11 +31,12 @@ Hash routing (`routing="hash"`, --expert-routing hash; Hash Layers, Roller et al
 expert is a fixed function of the token id, `hash_table[id]`, a buffer saved with the weights and built from a
 fixed seed as randperm(vocab) % E, so each expert gets vocab / E ids (--hash-table random), or by `modcli train`
 from the training split's token counts (--hash-table balanced: the most frequent ids first, each to the expert
-with the fewest tokens so far, so each expert gets about 1 / E of the training tokens). There is no gate: the weight is 1, the
-balancing loss is 0 (nothing to balance), and the choice never moves while the experts train (a learned gate moves
-most tokens between experts on the tiny preset: docs/results.md). Capacity is kept: the random table is balanced over
-the vocabulary, not over the data, so an expert whose ids are frequent overflows unless the factor is raised. The
-caller passes the token ids (B, n) of exactly the tokens in x (a routed block gathers them with its selection).
+with the fewest tokens so far, so each expert gets about 1 / E of the training tokens). There is no gate: the
+weight is 1, the balancing loss is 0 (nothing to balance), and the choice never moves while the experts train (a
+learned gate moves most tokens between experts on the tiny preset: docs/results.md). Capacity is kept: the random
+table is balanced over the vocabulary, not over the data, so an expert whose ids are frequent overflows unless
+the factor is raised. The caller passes the token ids (B, n) of exactly the tokens in x (a routed block gathers
+them with its selection).
 
 The load-balancing loss is Switch Transformer's: (E + N) x sum_i f_i x P_i over all E + N experts, with f_i the
 share of the choices that go to expert i (before capacity) and P_i the mean gate probability of expert i. It aims
@@ -87,31 +88,33 @@ def balanced_hash_table(counts: Tensor, experts: int) -> Tensor:
     expert with the fewest tokens so far (ties: the fewest ids, then the lower expert). An expert's share is then
     within the largest single id's share of 1 / E. Ids never seen (last) each go to the expert with the fewest ids,
     so text with other ids still spreads over every expert."""
-    order = sorted(range(len(counts)), key=lambda token: (-int(counts[token]), token))
-    load, ids = [0] * experts, [0] * experts
-    table = torch.empty(len(counts), dtype=torch.long)
-    for token in order:
-        if counts[token] > 0:
+    count = [int(c) for c in counts.tolist()]
+    load, ids, table = [0] * experts, [0] * experts, [0] * len(count)
+    for token in sorted(range(len(count)), key=lambda token: (-count[token], token)):
+        if count[token] > 0:
             expert = min(range(experts), key=lambda e: (load[e], ids[e], e))
         else:
             expert = min(range(experts), key=lambda e: (ids[e], load[e], e))
         table[token] = expert
-        load[expert] += int(counts[token])
+        load[expert] += count[token]
         ids[expert] += 1
-    return table
+    return torch.tensor(table, dtype=torch.long)
 
 
 def balance_hash_tables(model: nn.Module, counts: Tensor) -> list[float] | None:
     """Give every hash-routed MoE MLP of `model` the balanced table of `counts` (--hash-table balanced); returns
     the share of the counted tokens each expert gets, or None when the model has no hash-routed MLP."""
-    shares = None
+    tables: dict[int, Tensor] = {}  # one table per number of experts
     for module in model.modules():
         if isinstance(module, MoEMLP) and module.hashed:
-            table = balanced_hash_table(counts, module.experts)
-            module.hash_table.copy_(table)
-            load = torch.zeros(module.experts, dtype=torch.float64).index_add_(0, table, counts.double())
-            shares = (load / load.sum().clamp(min=1)).tolist()
-    return shares
+            if module.experts not in tables:
+                tables[module.experts] = balanced_hash_table(counts, module.experts)
+            module.hash_table.copy_(tables[module.experts])
+    if not tables:
+        return None
+    experts, table = next(iter(tables.items()))
+    load = torch.zeros(experts, dtype=torch.float64).index_add_(0, table, counts.double())
+    return (load / load.sum().clamp(min=1)).tolist()
 
 
 def expert_capacity(tokens: int, top_k: int, pool: int, capacity_factor: float) -> int:
