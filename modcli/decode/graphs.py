@@ -233,6 +233,7 @@ class DecodeStepGraph(nn.Module):
         cos, sin = config_rope(config, positions[:, None])  # (B, 1, hd/2)
         new_rows: list[Tensor] = []
         processed: list[Tensor] = []
+        zero_rows: Tensor | None = None  # a skipped routed block's K/V (made at the first routed block)
         for layer, block in enumerate(model.blocks):
             keys, values, lengths = cache[3 * layer: 3 * layer + 3]
             if not block.routed:
@@ -263,8 +264,8 @@ class DecodeStepGraph(nn.Module):
                 processed.append(decisions)
                 continue
 
-            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, block=block,
-                        part=part):
+            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows,
+                        block=block, part=part):
                 delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths, part,
                                                             token_ids)
                 weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
@@ -274,26 +275,30 @@ class DecodeStepGraph(nn.Module):
                 return (x, new_keys.clone(memory_format=torch.contiguous_format),
                         new_values.clone(memory_format=torch.contiguous_format))
 
-            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, block=block):
-                # No cache input is read here: only x's shape and the cache's (static) dtype.
-                shape = (x.shape[0], block.attn.n_kv_heads, 1, block.attn.head_dim)
-                return (x.clone(), torch.zeros(shape, dtype=keys.dtype, device=x.device),
-                        torch.zeros(shape, dtype=values.dtype, device=x.device))
+            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows):
+                # No cache input is read here: the step's K/V are the zeros made once per step (a copy: a branch
+                # returns no alias of its inputs), so a skipped block runs no operator that builds a shape.
+                return x.clone(), zero_rows.clone(), zero_rows.clone()
 
             if self.row_cap is not None and not self.branch_free and self.row_cap < x.shape[0]:
                 all_rows = process
 
-                def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, block=block,
-                            part=part, all_rows=all_rows, cap=self.row_cap):
-                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids):
+                def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows,
+                            block=block, part=part, all_rows=all_rows, cap=self.row_cap):
+                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows):
                         return _process_rows(block, part, cap, x, cos, sin, keys, values, lengths, router_logits,
                                              decisions, token_ids)
 
                     return torch.cond(decisions.sum() <= cap, capped, all_rows,
-                                      (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids))
+                                      (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids,
+                                       zero_rows))
 
+            row_shape = (x.shape[0], block.attn.n_kv_heads, 1, block.attn.head_dim)
+            if zero_rows is None or zero_rows.shape != row_shape or zero_rows.dtype != keys.dtype:
+                zero_rows = torch.zeros(row_shape, dtype=keys.dtype, device=x.device)  # one per step, shared
             x, new_keys, new_values = self._branch(
-                decisions, process, skip, (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids))
+                decisions, process, skip,
+                (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows))
             if part == "attention":  # only attention was routed; the MLP runs on every row
                 x = x + block.mlp(block.mlp_norm(x), token_ids)
             new_rows += [new_keys, new_values]
