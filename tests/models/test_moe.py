@@ -240,7 +240,7 @@ def test_the_balanced_table_gives_frequent_ids_their_own_experts_and_spreads_uns
     assert (load - counts.sum() / 4).abs().max() <= counts.max()
 
 
-def test_training_with_the_balanced_table_saves_it_and_resume_keeps_it(tmp_path, corpus_file, monkeypatch):
+def test_training_with_the_balanced_table_saves_it_and_resume_and_init_from_keep_it(tmp_path, corpus_file, monkeypatch):
     import numpy as np
     from safetensors.torch import load_file
 
@@ -261,14 +261,22 @@ def test_training_with_the_balanced_table_saves_it_and_resume_keeps_it(tmp_path,
     assert tables and all(torch.equal(saved[name], expected) for name in tables)
     assert json.loads((tmp_path / "run" / "step-00000002" / "config.json").read_text())["model"]["hash_table"] \
         == "balanced"
+
     def rebuild(*args):
-        raise AssertionError("--resume rebuilt the table")
+        raise AssertionError("the table was rebuilt")
 
     monkeypatch.setattr("modcli.models.moe.balanced_hash_table", rebuild)
     resumed = RunConfig(model=model, data=base.data, train=dataclasses.replace(base.train, max_steps=3, resume=True))
     train(resumed, quiet=True)
     again = load_file(str(tmp_path / "run" / "step-00000003" / "model.safetensors"))  # the saved table, not rebuilt
     assert all(torch.equal(again[name], expected) for name in tables)
+    # a conversion (--init-from) starts from the original's weights, its table among them
+    converted = RunConfig(model=dataclasses.replace(model, capacity=0.25), data=base.data,
+                          train=dataclasses.replace(base.train, max_steps=1, out=str(tmp_path / "converted"),
+                                                    init_from=str(tmp_path / "run")))
+    train(converted, quiet=True)
+    weights = load_file(str(tmp_path / "converted" / "step-00000001" / "model.safetensors"))
+    assert all(torch.equal(weights[name], expected) for name in tables)
 
 
 @pytest.mark.parametrize("name", ["moe-hash", "staged-hash"])
