@@ -293,9 +293,9 @@ class DecodeStepGraph(nn.Module):
                                       (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids,
                                        zero_rows))
 
-            row_shape = (x.shape[0], block.attn.n_kv_heads, 1, block.attn.head_dim)
-            if zero_rows is None or zero_rows.shape != row_shape or zero_rows.dtype != keys.dtype:
-                zero_rows = torch.zeros(row_shape, dtype=keys.dtype, device=x.device)  # one per step, shared
+            if zero_rows is None:  # every layer's K/V rows have one shape and the cache's dtype
+                zero_rows = torch.zeros((x.shape[0], config.kv_heads, 1, config.head_dim), dtype=keys.dtype,
+                                        device=x.device)
             x, new_keys, new_values = self._branch(
                 decisions, process, skip,
                 (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows))
