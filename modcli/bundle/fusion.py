@@ -6,7 +6,9 @@ does not have; so a fused graph runs only in onnxruntime, and `modcli export --o
 other runtimes (the manifest's `operators` says which a bundle has). The attention fusions are switched off: the
 optimizer's patterns do not match the exporter's attention, and onnxruntime's fused attention operators have no
 faster causal CPU kernel (modcli.bundle.attention). Shape inference is skipped (it fails on these graphs), and
-with it the residual-add fusion (SkipSimplifiedLayerNormalization), which needs it.
+with it the residual-add fusion (SkipSimplifiedLayerNormalization), which needs it. An If inside another If (the
+decode graph's row-capped branch) is held apart while the optimizer runs, which mishandles it, and put back as
+exported.
 """
 
 from __future__ import annotations
@@ -36,10 +38,71 @@ def fuse_graph(path: Path, n_heads: int, d_model: int) -> dict[str, int]:
     options.enable_gelu = options.enable_bias_gelu = options.enable_qordered_matmul = False
     options.enable_skip_layer_norm = options.enable_bias_skip_layer_norm = False  # these need shape inference
     options.enable_shape_inference = False
-    model = optimizer.optimize_model(str(path), model_type="gpt2", num_heads=n_heads, hidden_size=d_model,
+    original = onnx.load(str(path))
+    # The optimizer rewrites an If nested in another If wrongly (it drops and rewires values those read), so those
+    # are held apart while it runs and put back as exported (their RMSNorms stay unfused).
+    nested = _detach_nested(original.graph)
+    initializers = [onnx.TensorProto.FromString(tensor.SerializeToString()) for tensor in original.graph.initializer]
+    inputs = [onnx.ValueInfoProto.FromString(value.SerializeToString()) for value in original.graph.input]
+    model = optimizer.optimize_model(original, model_type="gpt2", num_heads=n_heads, hidden_size=d_model,
                                      opt_level=0, optimization_options=options, use_gpu=False)
+    _attach_nested(model.model.graph, nested)
+    _restore_initializers(initializers, model.model.graph)
+    if len(model.model.graph.input) != len(inputs):  # inputs only a held subgraph reads were dropped as unused
+        del model.model.graph.input[:]
+        model.model.graph.input.extend(inputs)
     if external:
         model.save_model_to_file(str(path), use_external_data_format=True, all_tensors_to_one_file=True)
     else:
         model.save_model_to_file(str(path))
     return {name: count for name, count in model.get_fused_operator_statistics().items() if count}
+
+
+def _subgraph_attributes(node):
+    return [attribute for attribute in node.attribute if attribute.HasField("g")]
+
+
+def _detach_nested(graph, depth: int = 0) -> dict[tuple[str, str], object]:
+    """Take the subgraphs of every node that is itself inside a subgraph out of `graph` (each replaced by an empty
+    graph); returns {(node name, attribute name): subgraph} for `_attach_nested`."""
+    import onnx
+
+    held: dict[tuple[str, str], object] = {}
+    for node in graph.node:
+        for attribute in _subgraph_attributes(node):
+            if depth >= 1:
+                held[node.name, attribute.name] = onnx.GraphProto.FromString(attribute.g.SerializeToString())
+                attribute.g.CopyFrom(onnx.GraphProto(name=attribute.g.name))
+            else:
+                held |= _detach_nested(attribute.g, depth + 1)
+    return held
+
+
+def _attach_nested(graph, held: dict[tuple[str, str], object]) -> None:
+    """Put the subgraphs `_detach_nested` took back into the nodes of the same names."""
+    for node in graph.node:
+        for attribute in _subgraph_attributes(node):
+            if (node.name, attribute.name) in held:
+                attribute.g.CopyFrom(held.pop((node.name, attribute.name)))
+            else:
+                _attach_nested(attribute.g, held)
+
+
+def _restore_initializers(initializers, fused) -> None:
+    """Put back the exported graph's `initializers` that the optimizer dropped although a held subgraph reads them
+    (the exporter lifts the constants of an If nested in another If, the decode graph's row-capped branch, into
+    the main graph's initializers)."""
+    kept = {tensor.name for tensor in fused.initializer}
+    read = _names_read(fused)
+    fused.initializer.extend(tensor for tensor in initializers if tensor.name in read and tensor.name not in kept)
+
+
+def _names_read(graph) -> set[str]:
+    """Every value name a node of `graph` or of any subgraph in it (at any depth) reads."""
+    names: set[str] = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                names |= _names_read(subgraph)
+    return names

@@ -81,7 +81,7 @@ def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
     batch = Dim("batch", min=1)
     tokens = torch.randint(0, config.vocab_size, (2,), generator=generator)  # (B,)
     positions = torch.tensor([9, 12])  # (B,)
-    module = DecodeStepGraph(model, routing).eval()
+    module = DecodeStepGraph(model, routing, export_row_cap=True).eval()
     cache: list[torch.Tensor] = []
     cache_shapes: list[dict[int, Any]] = []
     axes: dict[str, dict[int, str]] = {"tokens": {0: "batch"}, "positions": {0: "batch"}}

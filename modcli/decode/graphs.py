@@ -33,6 +33,19 @@ from modcli.models.cache import write_new_rows
 from modcli.models.decoder import Block, MoDDecoder, config_rope
 from modcli.models.routing.selection import Selection, residual_update
 
+ROW_CAP_FACTOR = 2
+"""A routed block whose processing rows number at most this many times the expected B x capacity gathers and computes
+only those rows (`DecodeStepGraph(row_cap=...)`)."""
+EXPORT_ROW_CAP_BATCH = 8
+"""The batch an exported decode graph's row cap is sized for (its batch is dynamic): at capacity 0.125, 2 rows."""
+
+
+def row_cap_for(batch: int, capacity: float) -> int:
+    """Rows a routed block gathers when few of `batch` process the token: ROW_CAP_FACTOR x batch x capacity, rounded
+    up, at least 1."""
+    return max(1, math.ceil(ROW_CAP_FACTOR * batch * capacity))
+
+
 MASK_MARGIN = 40.0
 """The lowest exponent a softmax in the exported graphs takes, relative to its row's maximum: exp(-40) ~ 4.2e-18 is
 far below float32's resolution (1.2e-7) of any sum of weights >= 1, and it keeps onnxruntime's CPU kernels on their
@@ -138,14 +151,20 @@ def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tenso
 
 
 def _process_rows(block: Block, part: str, cap: int, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor,
-                  values: Tensor, lengths: Tensor, router_logits: Tensor, decisions: Tensor, token_ids: Tensor
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  values: Tensor, lengths: Tensor, router_logits: Tensor, decisions: Tensor, token_ids: Tensor,
+                  dynamic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """A routed block on at most `cap` of the B rows (every row that processes the token is among them: the caller
     checked decisions.sum() <= cap): gather those rows and their caches, run the block on (cap, 1, D), write back.
     Returns x (B, 1, D) with skipped rows bit for bit unchanged, and the step's K/V (B, Hkv, 1, hd) (zero for rows
-    not computed; their processed flag is false, so nobody stores them)."""
+    not computed; their processed flag is false, so nobody stores them). `dynamic`: the batch is an exported graph's
+    (symbolic; the caller's branch runs only when it is larger than `cap`): the top-k runs over the B rows and `cap`
+    filler slots, so no shape ties the batch to >= cap."""
     batch = x.shape[0]
-    rows = (~decisions).to(torch.int32).topk(cap, largest=False).indices  # (cap,) the processing rows, then filler
+    if dynamic:  # cap filler slots after the B rows keep the top-k's size valid for any batch; never chosen here
+        padded = torch.cat([(~decisions).to(x.dtype), x.new_full((cap,), 2.0)])  # (B + cap,)
+        rows = padded.topk(cap, largest=False).indices  # (cap,) processing rows first, then skipping ones
+    else:
+        rows = (~decisions).to(torch.int32).topk(cap, largest=False).indices  # (cap,) processing rows, then filler
     delta, new_keys, new_values = _decode_delta(block, x[rows], cos[rows], sin[rows], keys[rows], values[rows],
                                                 lengths[rows], part, token_ids[rows])  # (cap, 1, D), (cap, Hkv, 1, hd)
     weight = block.router.weight(router_logits[rows]).unsqueeze(-1)  # (cap, 1, 1)
@@ -170,7 +189,8 @@ class DecodeStepGraph(nn.Module):
     which nobody stores because processed is false.
     """
 
-    def __init__(self, model: MoDDecoder, routing: str, branch_free: bool = False, row_cap: int | None = None) -> None:
+    def __init__(self, model: MoDDecoder, routing: str, branch_free: bool = False, row_cap: int | None = None,
+                 export_row_cap: bool = False) -> None:
         """`branch_free`: run a routed block's work on every step (skipped rows still unchanged and not stored)
         instead of inside `torch.cond`; for CUDA graphs, which cannot hold the host-side branch inductor makes of a
         cond, at the price of the skip.
@@ -179,6 +199,10 @@ class DecodeStepGraph(nn.Module):
         rows process the token, a routed block gathers those rows (and their caches) and computes only them, in
         static shapes; more rows than that take the all-rows branch. With B x capacity rows expected to process,
         a cap of about twice that makes most steps cost what the rows that process cost.
+
+        `export_row_cap` (for export, whose batch is dynamic): the same with the cap of a batch of
+        `EXPORT_ROW_CAP_BATCH` rows, taken in the graph only when its batch is larger than the cap (`modcli export`'s
+        decode graph).
         """
         super().__init__()
         model.check_routing(routing, causal=True)
@@ -187,6 +211,9 @@ class DecodeStepGraph(nn.Module):
         self.branch_free = branch_free
         self.row_cap = row_cap
         config = model.config
+        if export_row_cap and row_cap is None and not config.dense:
+            self.row_cap = row_cap_for(EXPORT_ROW_CAP_BATCH, config.capacity)
+        self.export_row_cap = export_row_cap
         self.processed_row_layers = tuple(layer for layer in range(config.n_layers)
                                           if config.attention_is_routed(layer))
         self.every_row_layers = tuple(layer for layer in range(config.n_layers)
@@ -280,16 +307,21 @@ class DecodeStepGraph(nn.Module):
                 # returns no alias of its inputs), so a skipped block runs no operator that builds a shape.
                 return x.clone(), zero_rows.clone(), zero_rows.clone()
 
-            if self.row_cap is not None and not self.branch_free and self.row_cap < x.shape[0]:
+            if self.row_cap is not None and not self.branch_free and (self.export_row_cap
+                                                                      or self.row_cap < x.shape[0]):
                 all_rows = process
 
                 def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows,
-                            block=block, part=part, all_rows=all_rows, cap=self.row_cap):
+                            block=block, part=part, all_rows=all_rows, cap=self.row_cap,
+                            dynamic=self.export_row_cap):
                     def capped(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows):
                         return _process_rows(block, part, cap, x, cos, sin, keys, values, lengths, router_logits,
-                                             decisions, token_ids)
+                                             decisions, token_ids, dynamic)
 
-                    return torch.cond(decisions.sum() <= cap, capped, all_rows,
+                    few = decisions.sum() <= cap
+                    if dynamic:  # the batch is the graph's own: only a batch larger than the cap gathers
+                        few = few & (torch.ones_like(decisions, dtype=torch.int64).sum() > cap)
+                    return torch.cond(few, capped, all_rows,
                                       (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids,
                                        zero_rows))
 

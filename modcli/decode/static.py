@@ -20,13 +20,11 @@ stored). What they buy: no Python, no allocation and no sync per step.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
 from modcli.compiling import CompileStats, compile_module, first_call
-from modcli.decode.graphs import DecodeStepGraph
+from modcli.decode.graphs import DecodeStepGraph, row_cap_for
 from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.cache import DecoderCache
@@ -80,7 +78,7 @@ class StaticDecoder:
         self.branch_free = device.type == "cuda" and compile if branch_free is None else branch_free
         # At batch > 1, a step where few rows process the token computes only those (up to about twice the expected
         # B x capacity rows; more take the all-rows branch).
-        row_cap = max(1, math.ceil(2 * batch * model.config.capacity)) if not model.config.dense else None
+        row_cap = row_cap_for(batch, model.config.capacity) if not model.config.dense else None
         graph = DecodeStepGraph(model, routing, branch_free=self.branch_free,
                                 row_cap=row_cap if row_cap is not None and row_cap < batch else None).eval()
         self._step_module = StaticDecodeStep(graph, self.cache)

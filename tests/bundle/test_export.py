@@ -301,6 +301,19 @@ def onnx_names_read(graph) -> set[str]:
     return names
 
 
+def onnx_ops(graph) -> set[str]:
+    """The operator types of an ONNX graph's nodes, nested subgraphs included."""
+    import onnx
+
+    ops = set()
+    for node in graph.node:
+        ops.add(node.op_type)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                ops |= onnx_ops(attribute.g)
+    return ops
+
+
 @pytest.mark.slow
 def test_decode_graph_skips_a_routed_block_with_an_if_that_reads_no_cache(bundle):
     """Each routed block sits in an If whose skip branch holds no MatMul and reads no keys/values/lengths input:
@@ -313,9 +326,9 @@ def test_decode_graph_skips_a_routed_block_with_an_if_that_reads_no_cache(bundle
     assert len(ifs) == len(tiny_model_config().routed_layers())
     for node, layer in zip(ifs, tiny_model_config().routed_layers(), strict=True):
         branches = {a.name: a.g for a in node.attribute}
-        assert any(n.op_type == "MatMul" for n in branches["then_branch"].node)
+        assert "MatMul" in onnx_ops(branches["then_branch"])  # in it, or in its If of few rows against all
         assert {f"keys.{layer}", f"values.{layer}"} <= onnx_names_read(branches["then_branch"])
-        assert not any(n.op_type in ("MatMul", "Softmax") for n in branches["else_branch"].node)
+        assert not onnx_ops(branches["else_branch"]) & {"MatMul", "Softmax", "If"}
         assert not onnx_names_read(branches["else_branch"]) & cache_inputs
     # Nothing outside the Ifs reads a routed layer's keys or values: the skip is complete.
     outside = {name for n in model.graph.node if n.op_type != "If" for name in n.input}
@@ -454,3 +467,52 @@ def test_bad_input_is_one_red_line_and_exit_code_2(case, runner, trained_run, no
     else:
         assert not out.exists()
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_exported_decode_graph_gathers_few_rows_and_equals_eager_decoding_on_both_sides_of_the_cap(tmp_path):
+    """Batch 6 through the fused ONNX decode graph: a routed block computes only the processing rows (gathered into
+    the export's row cap) when at most that many process the token, all rows otherwise; steps of both kinds occur
+    here and every step's logits and stored rows equal eager decoding."""
+    import onnxruntime as ort
+    from modcli_runtime.cache import CacheSpec
+
+    from modcli.bundle.fusion import fuse_graph
+    from modcli.bundle.lowering import MIN_OPSET, decode_spec, export_onnx, export_program
+    from modcli.decode.graphs import EXPORT_ROW_CAP_BATCH, row_cap_for
+
+    torch.manual_seed(0)
+    model = MoDDecoder(tiny_model_config()).eval()
+    with torch.no_grad():  # about half the rows process each token: counts on both sides of the cap
+        for block in model.blocks:
+            if block.router is not None:
+                block.router.score.bias.fill_(0.0)
+    config = model.config
+    cap = row_cap_for(EXPORT_ROW_CAP_BATCH, config.capacity)
+    batch, prompt, steps = 6, 7, 12
+    assert cap < batch
+    spec = decode_spec(model, "router")
+    path = tmp_path / "decode.onnx"
+    export_onnx(spec, export_program(spec), path, MIN_OPSET)
+    fuse_graph(path, config.n_heads, config.d_model)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    cache_spec = CacheSpec(n_layers=config.n_layers, n_heads=config.kv_heads, head_dim=config.head_dim,
+                           dtype="float32", routed_layers=config.routed_layers(),
+                           capacity=config.capacity_fraction(),
+                           processed_row_layers=[layer for layer in range(config.n_layers)
+                                                 if config.attention_is_routed(layer)])
+    tokens = torch.randint(0, config.vocab_size, (batch, prompt + steps), generator=torch.Generator().manual_seed(2))
+    cache = DecoderCache.allocate(config, batch, prompt + steps, torch.device("cpu"))
+    feeds = cache_spec.allocate(batch, prompt + steps)
+    counts = []
+    with torch.no_grad():
+        for t in range(prompt + steps):  # every token through both step functions, teacher-forced
+            eager = model.decode_step(tokens[:, t], cache, "router")
+            feeds["tokens"], feeds["positions"] = tokens[:, t].numpy(), np.full(batch, t)
+            outputs = dict(zip(spec.output_names, session.run(spec.output_names, feeds), strict=True))
+            cache_spec.write_rows(feeds, outputs)
+            np.testing.assert_allclose(outputs["logits"], eager.numpy(), atol=ATOL, rtol=0)
+            counts += [int(outputs[f"processed.{layer}"].sum()) for layer in config.routed_layers()]
+    assert min(counts) <= cap < max(counts)
+    for layer in range(config.n_layers):
+        assert feeds[f"lengths.{layer}"].tolist() == cache.layers[layer].lengths.tolist()
