@@ -8,7 +8,7 @@ optimizer's patterns do not match the exporter's attention, and onnxruntime's fu
 faster causal CPU kernel (modcli.bundle.attention). Shape inference is skipped (it fails on these graphs), and
 with it the residual-add fusion (SkipSimplifiedLayerNormalization), which needs it. An If inside another If (the
 decode graph's row-capped branch) is held apart while the optimizer runs, which mishandles it, and put back as
-exported.
+exported; where the optimizer still removed a value such a branch reads, the graph is left as exported (unfused).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def fuse_graph(path: Path, n_heads: int, d_model: int) -> dict[str, int]:
     if len(model.model.graph.input) != len(inputs):  # inputs only a held subgraph reads were dropped as unused
         del model.model.graph.input[:]
         model.model.graph.input.extend(inputs)
+    if _missing_reads(model.model.graph, set()):  # the optimizer removed a value a held branch reads: keep the export
+        return {}
     if external:
         model.save_model_to_file(str(path), use_external_data_format=True, all_tensors_to_one_file=True)
     else:
@@ -106,3 +108,15 @@ def _names_read(graph) -> set[str]:
             for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
                 names |= _names_read(subgraph)
     return names
+
+
+def _missing_reads(graph, outer: set[str]) -> set[str]:
+    """Names read in `graph` (or its subgraphs) that nothing there or in the enclosing scopes `outer` provides."""
+    available = (outer | {value.name for value in graph.input} | {tensor.name for tensor in graph.initializer}
+                 | {name for node in graph.node for name in node.output} | {""})
+    missing = set()
+    for node in graph.node:
+        missing.update(name for name in node.input if name not in available)
+        for attribute in _subgraph_attributes(node):
+            missing |= _missing_reads(attribute.g, available)
+    return missing
