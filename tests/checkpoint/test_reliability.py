@@ -142,7 +142,10 @@ def save_stage(run: Path, step: int) -> str | None:
     if (run / name).is_dir():
         return "renamed"
     for tmp in run.glob(f".tmp-{name}-*"):
-        present = {p.name for p in tmp.iterdir()} if tmp.is_dir() else set()
+        try:
+            present = {p.name for p in tmp.iterdir()} if tmp.is_dir() else set()
+        except FileNotFoundError:  # the save renamed it between the glob and the listing: it is past these stages
+            continue
         for stage in reversed(SAVE_STAGES[1:6]):
             if stage in present:
                 return stage
