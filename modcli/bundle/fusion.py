@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from modcli.bundle.onnx_walk import names_read
+
 FUSED = "onnxruntime"
 """manifest `operators` of a fused graph: standard ONNX plus operators only onnxruntime has."""
 PLAIN = "onnx"
@@ -95,19 +97,8 @@ def _restore_initializers(initializers, fused) -> None:
     (the exporter lifts the constants of an If nested in another If, the decode graph's row-capped branch, into
     the main graph's initializers)."""
     kept = {tensor.name for tensor in fused.initializer}
-    read = _names_read(fused)
+    read = names_read(fused)
     fused.initializer.extend(tensor for tensor in initializers if tensor.name in read and tensor.name not in kept)
-
-
-def _names_read(graph) -> set[str]:
-    """Every value name a node of `graph` or of any subgraph in it (at any depth) reads."""
-    names: set[str] = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attribute in node.attribute:
-            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
-                names |= _names_read(subgraph)
-    return names
 
 
 def _missing_reads(graph, outer: set[str]) -> set[str]:

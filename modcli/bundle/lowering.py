@@ -25,6 +25,7 @@ import torch
 from torch.export import Dim
 
 from modcli.bundle.attention import translation_table
+from modcli.bundle.onnx_walk import all_nodes
 from modcli.decode.graphs import DecodeStepGraph, ForwardGraph
 from modcli.models.decoder import MoDDecoder
 
@@ -196,16 +197,7 @@ def onnx_summary(path: Path) -> tuple[dict[str, int], list[dict[str, Any]], list
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    histogram: Counter[str] = Counter()
-
-    def visit(graph) -> None:
-        for node in graph.node:
-            histogram[node.op_type] += 1
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    visit(attribute.g)
-
-    visit(model.graph)
+    histogram = Counter(node.op_type for node in all_nodes(model.graph))
 
     def describe(value) -> dict[str, Any]:
         tensor = value.type.tensor_type

@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from modcli.bundle.onnx_walk import names_read, op_types
 from modcli.bundle.validation import validation_lengths
 from modcli.bundle.writer import ExportConfig, export
 from modcli.checkpoint.store import load_model_from, save_checkpoint
@@ -288,32 +289,6 @@ def test_onnx_decode_graph_equals_the_causal_forward(bundle, trained_run):
     assert all(0 < p < 90 for p in processed)  # processed and skipped tokens both happened
 
 
-def onnx_names_read(graph) -> set[str]:
-    """Every value name the nodes of an ONNX graph read, nested subgraphs included."""
-    import onnx
-
-    names = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                names |= onnx_names_read(attribute.g)
-    return names
-
-
-def onnx_ops(graph) -> set[str]:
-    """The operator types of an ONNX graph's nodes, nested subgraphs included."""
-    import onnx
-
-    ops = set()
-    for node in graph.node:
-        ops.add(node.op_type)
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                ops |= onnx_ops(attribute.g)
-    return ops
-
-
 @pytest.mark.slow
 def test_decode_graph_skips_a_routed_block_with_an_if_that_reads_no_cache(bundle):
     """Each routed block sits in an If whose skip branch holds no MatMul and reads no keys/values/lengths input:
@@ -326,10 +301,10 @@ def test_decode_graph_skips_a_routed_block_with_an_if_that_reads_no_cache(bundle
     assert len(ifs) == len(tiny_model_config().routed_layers())
     for node, layer in zip(ifs, tiny_model_config().routed_layers(), strict=True):
         branches = {a.name: a.g for a in node.attribute}
-        assert "MatMul" in onnx_ops(branches["then_branch"])  # in it, or in its If of few rows against all
-        assert {f"keys.{layer}", f"values.{layer}"} <= onnx_names_read(branches["then_branch"])
-        assert not onnx_ops(branches["else_branch"]) & {"MatMul", "Softmax", "If"}
-        assert not onnx_names_read(branches["else_branch"]) & cache_inputs
+        assert "MatMul" in op_types(branches["then_branch"])  # in it, or in its If of few rows against all
+        assert {f"keys.{layer}", f"values.{layer}"} <= names_read(branches["then_branch"])
+        assert not op_types(branches["else_branch"]) & {"MatMul", "Softmax", "If"}
+        assert not names_read(branches["else_branch"]) & cache_inputs
     # Nothing outside the Ifs reads a routed layer's keys or values: the skip is complete.
     outside = {name for n in model.graph.node if n.op_type != "If" for name in n.input}
     assert not outside & {f"{kind}.{layer}" for layer in tiny_model_config().routed_layers()
