@@ -14,6 +14,12 @@ from modcli.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 # other: one thread ran tests/decode/test_decoding.py, test_moe.py and test_routers.py (not slow) in 9 s, two in 24-42 s.
 torch.set_num_threads(1)
 
+# pytest-xdist's workers start with COLUMNS=80, and Rich's consoles (modcli.commands.common, made at import) fix their
+# width from it once and for all: a test's own `env={"COLUMNS": ...}` would then change nothing. Without it, a console
+# reads the width of the moment, as it does in a serial run.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
 
 def tiny_model_config(**overrides) -> ModelConfig:
     values = dict(d_model=32, n_layers=4, n_heads=4, seq_len=32, capacity=0.25, route_every=2, route_offset=1,
