@@ -4,8 +4,10 @@ Method (`modcli_runtime.timing`): warm-up calls are excluded, `--repeats` timed 
 max, and within a measurement every (model, backend) call alternates with the others call by call (A B, then B A,
 ...) so that drift of the machine (other processes, clocks, caches) hits all of them alike. Each PyTorch call is
 synchronised with its device. With `--compile` the first call of each compiled model is reported as its compile
-time and never timed again. The onnxruntime calls (forward and decode of both models) are timed together after the
-PyTorch ones, with at least one warm-up call each (a session's first run sets it up).
+time and never timed again. The onnxruntime calls are made first (both models exported, each session run once
+untimed: its first run sets it up) and then timed in the same interleaved runs as the PyTorch ones: the forward
+graphs with the eager (and compiled) forwards, the decode graphs with the eager prefill and decode, so that a
+"vs eager" ratio compares calls made side by side, as the MoD / dense ratios do.
 """
 
 from __future__ import annotations
@@ -42,9 +44,15 @@ def measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_le
                               train_flops_per_seq=training_flops(m.config, seq_len, batch) // batch)
            for name, m in models.items()}
     compiling = " (compiling first)" if "compiled" in config.backends else ""
+    onnx: dict[str, dict[Key, TimedCall]] = {"forward": {}, "decode": {}}
+    if "onnxruntime" in config.backends:
+        log(f"T={seq_len}: exporting both models to ONNX for onnxruntime (timed beside the PyTorch calls)")
+        for (name, what), call in onnxruntime_calls(config, models, seq_len, device).items():
+            call()  # a session's first run sets it up: never timed
+            onnx[what][name, "onnxruntime", what] = call
     if "forward" in config.measure:
         log(f"T={seq_len}: forward (training-mode routing), {config.repeats} timed calls each{compiling}")
-        _forward(config, models, tokens, device, out)
+        _forward(config, models, tokens, device, out, onnx["forward"])
     if "train" in config.measure:
         log(f"T={seq_len}: training step (forward + aux losses, backward, AdamW), {config.repeats} timed calls each"
             + compiling)
@@ -52,19 +60,14 @@ def measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_le
     if "decode" in config.measure:
         log(f"T={seq_len}: causal prefill ({config.routing}) and {config.decode_tokens} decode steps, "
             f"{config.repeats} timed calls each{compiling}")
-        _prefill_and_decode(config, models, tokens, device, out)
-    if "onnxruntime" in config.backends:
-        log(f"T={seq_len}: exporting both models to ONNX and timing them through onnxruntime")
-        calls = {(name, "onnxruntime", what): call
-                 for (name, what), call in onnxruntime_calls(config, models, seq_len, device).items()}
-        _time(calls, {"forward": batch * seq_len, "decode": batch}, max(1, config.warmup), config.repeats, out)
+        _prefill_and_decode(config, models, tokens, device, out, onnx["decode"])
     return out
 
 
 def _forward(config: ProfileConfig, models: dict[str, MoDDecoder], tokens: dict[str, torch.Tensor],
-             device: torch.device, out: dict[str, ModelProfile]) -> None:
+             device: torch.device, out: dict[str, ModelProfile], onnx: dict[Key, TimedCall]) -> None:
     batch = config.batch_size
-    calls, compile_stats = {}, {}
+    calls, compile_stats = dict(onnx), {}
     for name, m in models.items():
         m.eval()
         counted = counted_forward(m, tokens[name], device, config.dtype)
@@ -100,9 +103,9 @@ def _train_step(config: ProfileConfig, models: dict[str, MoDDecoder], tokens: di
 
 
 def _prefill_and_decode(config: ProfileConfig, models: dict[str, MoDDecoder], tokens: dict[str, torch.Tensor],
-                        device: torch.device, out: dict[str, ModelProfile]) -> None:
+                        device: torch.device, out: dict[str, ModelProfile], onnx: dict[Key, TimedCall]) -> None:
     batch, seq_len = tokens["model"].shape
-    calls, compile_stats, kept = {}, {}, {}
+    calls, compile_stats, kept = dict(onnx), {}, {}
     for name, m in models.items():
         m.eval()
         kept[name] = {}

@@ -213,7 +213,13 @@ def test_train_compile_matches_eager_training(tmp_path, corpus_file):
 
 
 @pytest.mark.slow
-def test_profile_backends(tmp_path):
+def test_profile_backends(tmp_path, monkeypatch):
+    from modcli.profiling import measure as profile_measure
+
+    timed_together: list[set] = []  # the calls of each interleaved run
+    interleaved = profile_measure.interleaved
+    monkeypatch.setattr(profile_measure, "interleaved", lambda calls, *args: timed_together.append(set(calls))
+                        or interleaved(calls, *args))
     flags = ["profile", "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
              "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--decode-tokens", "2", "--no-memory",
              "--device", "cpu", "--json"]
@@ -228,6 +234,11 @@ def test_profile_backends(tmp_path):
         for name in timed:
             ratio = row["ratio"][f"{backend}_{name}_latency"]
             assert ratio["measured"] > 0 and ratio["ideal"] == row["ratio"][f"{name}_latency"]["ideal"] < 1
+        if backend == "onnxruntime":  # each graph is timed in the same interleaved run as its eager twin
+            for what in ("forward", "decode"):
+                assert any({(side, "eager") for side in ("model", "baseline")}
+                           | {(side, "onnxruntime", what) for side in ("model", "baseline")} <= calls
+                           for calls in timed_together), timed_together
         if backend == "compiled":
             assert row["model"]["compiled"]["forward"]["graph_breaks"] == 0
             assert row["model"]["compiled"]["forward"]["compile_s"] > 0
