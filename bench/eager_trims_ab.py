@@ -27,6 +27,7 @@ import modcli.models.decoder as decoder
 from modcli.config import resolve_run_config
 from modcli.models.build import build_model
 from modcli.models.cache import DecoderCache
+from modcli.models.routing.calibration import calibrate_causal_rules
 
 BASELINE = dict(config_rope=decoder.config_rope, apply_rope=decoder.apply_rope, delta=decoder.Block.delta)
 
@@ -98,12 +99,9 @@ def main() -> None:
     mod, dense = build_model(config).eval(), build_model(dataclasses.replace(config, route_every=0)).eval()
     seq_len = config.seq_len
     tokens = torch.randint(0, config.vocab_size, (1, seq_len))
-    with torch.no_grad():  # each router keeps 12.5% under its causal rule (the prefill), as `modcli profile` does
-        x = mod.embed(tokens)
-        for block in mod.blocks:
-            if block.routed:
-                logits = block.router.logits(x, torch.arange(seq_len)).flatten()
-                block.router.score.bias -= torch.quantile(logits, 1 - config.capacity)
+    shares = calibrate_causal_rules(mod, tokens)  # each causal rule keeps 12.5%, as `modcli profile` calibrates
+    print(f"prefill shares processed per routed block: {shares}")
+    with torch.no_grad():
         baseline = mod(tokens), dense(tokens)
         use(args.variant)
         same = torch.equal(mod(tokens), baseline[0]) and torch.equal(dense(tokens), baseline[1])
