@@ -24,24 +24,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from speed_targets import NAMES, SHAPES  # noqa: E402
+from speed_targets import NAMES, SHAPES, measured_rows  # noqa: E402
 
 
 def rows(path: Path) -> dict[tuple[str, str, str], dict]:
     """(shape label, backend, measurement) -> MoD ms, dense ms, ratio over ideal, from one speed_targets JSON."""
     result = json.loads(path.read_text())
     label = SHAPES[path.stem][0]
-    found = {}
-    for r in result["results"]:
-        for backend in result["backends"]:
-            for name, text in NAMES.items():
-                mine = r["model"][name] if backend == "eager" else r["model"].get(backend, {}).get(name)
-                theirs = r["baseline"][name] if backend == "eager" else r["baseline"].get(backend, {}).get(name)
-                ratio = r["ratio"].get(f"{name}_latency" if backend == "eager" else f"{backend}_{name}_latency")
-                if mine and theirs and ratio:
-                    found[(label, backend, text)] = {"mod_ms": mine["latency_ms"], "dense_ms": theirs["latency_ms"],
-                                                     "over": ratio["measured"] / ratio["ideal"]}
-    return found
+    return {(label, backend, NAMES[name]): {"mod_ms": mine["latency_ms"], "dense_ms": theirs["latency_ms"],
+                                            "over": ratio["measured"] / ratio["ideal"]}
+            for _, backend, name, mine, theirs, ratio in measured_rows(result)}
 
 
 def table(out: Path, rounds: int, shapes: list[str], before: str) -> str:

@@ -45,6 +45,18 @@ def run(shape: str, out: Path, repeats: int, backends: str) -> Path:
     return path
 
 
+def measured_rows(result: dict):
+    """(result, backend, measurement, MoD timing, dense timing, ratio) for every row a profile JSON measured."""
+    for r in result["results"]:
+        for backend in result["backends"]:
+            for name in NAMES:
+                mine = r["model"][name] if backend == "eager" else r["model"].get(backend, {}).get(name)
+                theirs = r["baseline"][name] if backend == "eager" else r["baseline"].get(backend, {}).get(name)
+                ratio = r["ratio"].get(f"{name}_latency" if backend == "eager" else f"{backend}_{name}_latency")
+                if mine and theirs and ratio:
+                    yield r, backend, name, mine, theirs, ratio
+
+
 def table(paths: list[Path]) -> str:
     lines = ["| shape | backend | measurement | MoD ms | dense ms | ratio | FLOP ideal | ratio / ideal | target "
              "(<= 1.10 x ideal) | vs eager (MoD, dense) | compile s (MoD / dense) |",
@@ -55,25 +67,18 @@ def table(paths: list[Path]) -> str:
         label = SHAPES[path.stem][0]
         notes.append(f"{label}: threads {result['threads']}, load {result['load_avg_start'][0]:.2f} -> "
                      f"{result['load_avg_end'][0]:.2f}, wall {result['wall_time_s']:.0f} s")
-        for r in result["results"]:
-            for backend in result["backends"]:
-                for name, text in NAMES.items():
-                    mine = r["model"][name] if backend == "eager" else r["model"].get(backend, {}).get(name)
-                    theirs = r["baseline"][name] if backend == "eager" else r["baseline"].get(backend, {}).get(name)
-                    ratio = r["ratio"].get(f"{name}_latency" if backend == "eager" else f"{backend}_{name}_latency")
-                    if not mine or not theirs or not ratio:
-                        continue
-                    over = ratio["measured"] / ratio["ideal"]
-                    versus = "-"
-                    if backend != "eager" and r["model"][name] and r["baseline"][name]:
-                        faster = [mine["latency_ms"] / r["model"][name]["latency_ms"],
-                                  theirs["latency_ms"] / r["baseline"][name]["latency_ms"]]
-                        versus = ", ".join(f"{v:.2f}x" for v in faster)
-                    compile_s = " / ".join(f"{t['compile_s']:.0f}" for t in (mine, theirs) if t.get("compile_s"))
-                    lines.append(
-                        f"| {label} | {backend} | {text} | {mine['latency_ms']:.2f} | {theirs['latency_ms']:.2f} | "
-                        f"{ratio['measured']:.3f} | {ratio['ideal']:.3f} | {over:.2f} | "
-                        f"{'met' if over <= TARGET else 'missed'} | {versus} | {compile_s or '-'} |")
+        for r, backend, name, mine, theirs, ratio in measured_rows(result):
+            over = ratio["measured"] / ratio["ideal"]
+            versus = "-"
+            if backend != "eager" and r["model"][name] and r["baseline"][name]:
+                faster = [mine["latency_ms"] / r["model"][name]["latency_ms"],
+                          theirs["latency_ms"] / r["baseline"][name]["latency_ms"]]
+                versus = ", ".join(f"{v:.2f}x" for v in faster)
+            compile_s = " / ".join(f"{t['compile_s']:.0f}" for t in (mine, theirs) if t.get("compile_s"))
+            lines.append(
+                f"| {label} | {backend} | {NAMES[name]} | {mine['latency_ms']:.2f} | {theirs['latency_ms']:.2f} | "
+                f"{ratio['measured']:.3f} | {ratio['ideal']:.3f} | {over:.2f} | "
+                f"{'met' if over <= TARGET else 'missed'} | {versus} | {compile_s or '-'} |")
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {note}" for note in notes) + "\n"
 
 
