@@ -2,8 +2,9 @@
 
 Issue 25 asks the eager forward of the small preset at batch 1, T 256 to come within 1.10x of its FLOP ideal
 ratio. This measures how close any implementation of the routed block that calls PyTorch's own kernels could
-come. Forwards of fresh models (no grad, 2 threads), interleaved call by call over --rounds (the order flipped
-every round), medians:
+come. Forwards of fresh models (no grad, 2 threads), interleaved call by call over --rounds by the harness of
+`modcli profile` (`modcli_runtime.timing.interleaved`: the order flipped every round, the garbage collector off),
+medians:
 
 - dense: the dense twin's forward;
 - floor: the MoD model, every dense block as it is, every routed block reduced to exactly the operators whose
@@ -30,10 +31,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from modcli_runtime.timing import interleaved, timed
 
 from modcli.config import resolve_run_config
 from modcli.models.build import build_model
@@ -115,7 +116,7 @@ def main() -> None:
     config = resolve_run_config("small", None, {"device": "cpu"}).model
     mod, dense = build_model(config).eval(), build_model(config.dense_twin()).eval()
     seq_len = config.seq_len
-    k = max(1, int(config.capacity * seq_len))
+    k = next(block.router for block in mod.blocks if block.routed).static_tokens(seq_len, config.capacity)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, seq_len))
     cos, sin = config_rope(config, torch.arange(seq_len))
     calls = {"dense": lambda: dense(tokens)}
@@ -125,7 +126,6 @@ def main() -> None:
         compiled = torch.compile(ladder_routed_block, dynamic=False)
         calls["compiled block"] = lambda: ladder_forward(mod, tokens, cos, sin, k, len(STAGES) - 1, compiled)
     calls["MoD"] = lambda: mod(tokens, "topk")
-    times: dict[str, list[float]] = {name: [] for name in calls}
     with torch.no_grad():
         mod_flops = sum(counted_flops(lambda: mod(tokens, "topk")).values())
         ideal = mod_flops / sum(counted_flops(lambda: dense(tokens)).values())
@@ -134,15 +134,8 @@ def main() -> None:
         whole = ladder_forward(mod, tokens, cos, sin, k, len(STAGES) - 1)
         if not torch.equal(whole, reference):  # the ladder's top is the real block, bit for bit
             raise SystemExit("the ladder's last stage differs from the real forward: the bench is out of date")
-        for _ in range(5):
-            for run in calls.values():
-                run()
-        for round_index in range(args.rounds):
-            order = list(calls.items())
-            for name, run in order if round_index % 2 == 0 else reversed(order):
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
+        samples = interleaved({name: timed("forward", run) for name, run in calls.items()}, 5, args.rounds)
+    times = {name: quantities["forward"] for name, quantities in samples.items()}
     medians = {name: statistics.median(values) for name, values in times.items()}
     print(f"small preset, batch {args.batch_size}, T {seq_len}, k {k}, {args.threads} threads, {args.rounds} rounds "
           f"interleaved; FLOP ideal (MoD / dense, FlopCounterMode) {ideal:.3f}; the floor's counted FLOPs "
