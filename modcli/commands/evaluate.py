@@ -33,6 +33,7 @@ def eval_command(
     batch_size: options.BatchSize = None,
     device: options.Device = None,
     dtype: options.Dtype = None,
+    packed_linears: options.PackedLinears = None,
     tasks: options.Tasks = None,
     include_path: options.IncludePath = None,
     num_fewshot: options.NumFewshot = None,

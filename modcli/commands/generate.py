@@ -32,6 +32,7 @@ def generate(
     device: options.Device = None,
     dtype: options.Dtype = None,
     compile: options.Compile = None,
+    packed_linears: options.PackedLinears = None,
     exit_threshold: options.ExitThreshold = None,
     speculative: options.Speculative = None,
     draft_tokens: options.DraftTokens = None,

@@ -73,6 +73,7 @@ def profile(
     dtype: options.Dtype = None,
     backends: options.Backends = None,
     compile: options.Compile = None,
+    packed_linears: options.PackedLinears = None,
     json_output: options.Json = False,
 ) -> None:
     """FLOPs, latency, tokens/s, peak memory and KV-cache bytes of an MoD model against its dense twin (or a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from modcli.hardware import TORCH_DTYPES, autocast, resolve_device
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
 from modcli.models.early_exit import ExitStats, check_exit_decoding, speculative_decode
+from modcli.packed_linear import inference_linears
 from modcli.reports.console import stderr_console
 
 
@@ -50,6 +52,9 @@ class GenerateConfig:
     compile: bool = False
     """torch.compile the causal prefill and a static-shape decode step (preallocated KV cache, the skip of a routed
     block in torch.cond; a CUDA graph on CUDA); the compile time is reported apart."""
+    packed_linears: bool = True
+    """Eager decoding on the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`);
+    False = PyTorch's default BLAS."""
     exit_threshold: float | None = None
     """Early-exit models: each new token leaves the blocks at the first exit whose top probability reaches this
     (modcli.models.early_exit; 1.0 = the full model); None = full depth."""
@@ -113,6 +118,8 @@ class GenerateResult:
     """--compile: compiling the prefill and the decode step (their first calls), not in prefill_s or decode_s."""
     graph_breaks: int | None = None
     """--compile: graph breaks torch.compile met (0: prefill and decode step are one graph each)."""
+    linear_kernel: str = "aten"
+    """What the eager decoding ran nn.Linear with: onednn-packed (`modcli.packed_linear`) or aten."""
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, uniforms: Tensor | None) -> Tensor:
@@ -203,6 +210,20 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         uniforms = uniforms.to(device)
     new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
+    linears = None if static is not None else inference_linears(model, device, config.dtype, config.packed_linears)
+    with linears or contextlib.nullcontext():
+        result = _decode(config, model, tokenizer, routing, prompts, cache, static, uniforms, new_tokens, on_bytes,
+                         stats if exits else None, device)
+    result.linear_kernel = "aten" if linears is None else "onednn-packed"
+    return result
+
+
+def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, routing: str,
+            prompts: list[list[int]], cache: DecoderCache, static, uniforms: Tensor | None, new_tokens: Tensor,
+            on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device) -> GenerateResult:
+    """`generate`'s prefill and decoding loop, timed."""
+    batch = len(prompts)
+    exits = stats is not None
     start = time.perf_counter()
     logits = prefill(model, prompts, cache, routing, device, config.dtype, static)
     _sync(device)

@@ -8,8 +8,10 @@ honest ones. Each mode is listed with `causal: true|false`, from the router's ca
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -18,6 +20,8 @@ from modcli.config import DataConfig, require
 from modcli.data.corpus import evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
 from modcli.hardware import autocast, resolve_device
+from modcli.models.decoder import MoDDecoder
+from modcli.packed_linear import inference_linears
 from modcli.training.objective import bits_per_byte, lm_loss, routing_agreement
 
 
@@ -41,6 +45,9 @@ class EvalConfig:
     """auto, cpu, cuda or mps."""
     dtype: str = "float32"
     """Autocast dtype."""
+    packed_linears: bool = True
+    """On the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's
+    default BLAS."""
 
     def __post_init__(self) -> None:
         require(self.batches >= 1, f"--batches must be >= 1, got {self.batches}")
@@ -91,10 +98,18 @@ def evaluate(config: EvalConfig) -> EvalResult:
         modes = ["dense"]
     else:
         modes = list(config.routing) or list(model.routing_modes())
+    linears = inference_linears(model, device, config.dtype, config.packed_linears)
+    with linears or contextlib.nullcontext():
+        return _evaluate(config, model, run_config, checkpoint, corpus, modes, device)
+
+
+def _evaluate(config: EvalConfig, model: MoDDecoder, run_config, checkpoint: Path, corpus, modes: list[str],
+              device: torch.device) -> EvalResult:
+    """`evaluate`'s loop over the validation batches and routing modes."""
+    seq_len = run_config.model.seq_len
     caps = model.capabilities
     exits = run_config.model.family.exit_decoding
     exit_totals = [0.0] * run_config.model.n_layers
-
     totals = {mode: 0.0 for mode in modes}
     processed = {mode: {} for mode in modes}
     agreement_sums: dict = {}

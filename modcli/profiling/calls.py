@@ -8,6 +8,7 @@ inputs, the same for every backend, are here.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from modcli.decode.static import StaticDecoder
 from modcli.hardware import TORCH_DTYPES, autocast
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
+from modcli.packed_linear import PackedLinears
 from modcli.training.objective import training_loss
 from modcli.training.schedule import make_optimizer
 
@@ -46,16 +48,19 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def forward_call(model, tokens: torch.Tensor, device: torch.device, dtype: str) -> TimedCall:
-    """One no-grad forward of `model` (a decoder or its compiled wrapper) in the router's training mode."""
+def forward_call(model, tokens: torch.Tensor, device: torch.device, dtype: str,
+                 linears: PackedLinears | None = None) -> TimedCall:
+    """One no-grad forward of `model` (a decoder or its compiled wrapper) in the router's training mode; inside
+    `linears` (entered before the clock starts) where given."""
 
     def call() -> dict[str, float]:
-        synchronize(device)
-        start = time.perf_counter()
-        with torch.no_grad(), autocast(device, dtype):
-            model(tokens)
-        synchronize(device)
-        return {"forward": time.perf_counter() - start}
+        with linears or contextlib.nullcontext():
+            synchronize(device)
+            start = time.perf_counter()
+            with torch.no_grad(), autocast(device, dtype):
+                model(tokens)
+            synchronize(device)
+            return {"forward": time.perf_counter() - start}
 
     return call
 
@@ -105,8 +110,9 @@ def _prefill_then_steps(prefill: Callable[[], Any], step: Callable[[torch.Tensor
 
 
 def decode_call(model: MoDDecoder, tokens: torch.Tensor, decode_tokens: int, routing: str, device: torch.device,
-                dtype: str, keep: dict | None = None) -> TimedCall:
-    """Causal prefill of the T tokens into a fresh KV cache, then `decode_tokens` decode steps (eager).
+                dtype: str, keep: dict | None = None, linears: PackedLinears | None = None) -> TimedCall:
+    """Causal prefill of the T tokens into a fresh KV cache, then `decode_tokens` decode steps (eager; inside
+    `linears`, entered before the clock starts, where given).
 
     The last call's cache is left in `keep["cache"]`.
     """
@@ -117,9 +123,10 @@ def decode_call(model: MoDDecoder, tokens: torch.Tensor, decode_tokens: int, rou
     @torch.no_grad()
     def call() -> dict[str, float]:
         cache = DecoderCache.allocate(model.config, batch, seq_len + decode_tokens, device, kv_dtype)
-        seconds = _prefill_then_steps(lambda: model(tokens, routing, cache=cache),
-                                      lambda step_tokens: model.decode_step(step_tokens, cache, routing),
-                                      new_tokens, device, dtype)
+        with linears or contextlib.nullcontext():
+            seconds = _prefill_then_steps(lambda: model(tokens, routing, cache=cache),
+                                          lambda step_tokens: model.decode_step(step_tokens, cache, routing),
+                                          new_tokens, device, dtype)
         if keep is not None:
             keep["cache"] = cache
         return seconds

@@ -47,6 +47,9 @@ class ProfileConfig:
     through the PyTorch-free runtime: forward and decode step)."""
     compile: bool = False
     """Same as adding compiled to `backends` (the --compile flag)."""
+    packed_linears: bool = True
+    """Eager inference on the CPU in float32 (forward, causal prefill, decode step; both models): nn.Linear through
+    oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's default BLAS. Training steps never."""
     memory: bool = True
     """Measure peak memory in a fresh child process per measurement (a few seconds each)."""
     seed: int = 1337
@@ -192,6 +195,9 @@ class ProfileResult:
     routing: str
     compile: bool
     backends: list[str]
+    linear_kernel: str
+    """The eager inference calls' nn.Linear kernel: onednn-packed (`modcli.packed_linear`) or aten (PyTorch's
+    default BLAS)."""
     model: ModelInfo
     baseline: ModelInfo | None
     results: list[SeqLenProfile]

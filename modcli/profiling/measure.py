@@ -24,6 +24,7 @@ from modcli.decode.static import StaticDecoder
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
 from modcli.models.flops import flops, training_flops
+from modcli.packed_linear import inference_linears
 from modcli.profiling.calls import decode_call, forward_call, input_tokens, static_decode_call, train_call
 from modcli.profiling.config import ModelProfile, ProfileConfig, Timing
 from modcli.profiling.flop_counts import counted_decode, counted_forward, counted_training
@@ -73,7 +74,8 @@ def _forward(config: ProfileConfig, models: dict[str, MoDDecoder], tokens: dict[
         counted = counted_forward(m, tokens[name], device, config.dtype)
         out[name].forward_flops_counted_per_seq = sum(counted.values()) // batch
         out[name].forward_flops_counted_by_op = {op: n // batch for op, n in counted.items()}
-        calls[name, "eager"] = forward_call(m, tokens[name], device, config.dtype)
+        linears = inference_linears(m, device, config.dtype, config.packed_linears)
+        calls[name, "eager"] = forward_call(m, tokens[name], device, config.dtype, linears)
         if "compiled" in config.backends:
             calls[name, "compiled"] = forward_call(compile_module(m, device), tokens[name], device, config.dtype)
             compile_stats[name, "compiled"] = CompileStats()
@@ -109,8 +111,9 @@ def _prefill_and_decode(config: ProfileConfig, models: dict[str, MoDDecoder], to
     for name, m in models.items():
         m.eval()
         kept[name] = {}
+        linears = inference_linears(m, device, config.dtype, config.packed_linears)
         calls[name, "eager"] = decode_call(m, tokens[name], config.decode_tokens, config.routing, device,
-                                           config.dtype, kept[name])
+                                           config.dtype, kept[name], linears)
         if "compiled" in config.backends:
             static = StaticDecoder(m, batch, seq_len + config.decode_tokens, config.routing, device, config.dtype,
                                    compile=True)

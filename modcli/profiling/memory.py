@@ -26,6 +26,7 @@ import modcli
 from modcli.config import ModelConfig
 from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
+from modcli.packed_linear import inference_linears
 from modcli.profiling.calls import decode_call, forward_call, input_tokens, train_call
 from modcli.profiling.config import ModelProfile, ProfileConfig, Timing
 
@@ -60,7 +61,8 @@ def measure_memory(config: ProfileConfig, models: dict[str, MoDDecoder], weights
             spec = {"model": dataclasses.asdict(m.config), "weights": weights[name], "measurement": measurement,
                     "batch_size": config.batch_size, "seq_len": seq_len, "seed": config.seed,
                     "decode_tokens": config.decode_tokens, "routing": config.routing, "device": str(device),
-                    "dtype": config.dtype, "threads": torch.get_num_threads()}
+                    "dtype": config.dtype, "threads": torch.get_num_threads(),
+                    "packed_linears": config.packed_linears}
             jobs.append((name, kinds[measurement], spec))
     # Memory does not depend on timing, so two children run at once to save wall time.
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -96,12 +98,15 @@ def memory_child() -> None:
     load_model(model, spec["weights"])
     model = model.to(device).eval()
     tokens = input_tokens(model_config, spec["batch_size"], spec["seq_len"], spec["seed"], device)
+    # the packed copies of the weights (modcli.packed_linear) are made in the first call: its peak holds them
+    linears = inference_linears(model, device, spec["dtype"], spec["packed_linears"])
     if spec["measurement"] == "forward":
-        call = forward_call(model, tokens, device, spec["dtype"])
+        call = forward_call(model, tokens, device, spec["dtype"], linears)
     elif spec["measurement"] == "train":
         call = train_call(model, model, tokens, device, spec["dtype"])
     else:
-        call = decode_call(model, tokens, spec["decode_tokens"], spec["routing"], device, spec["dtype"])
+        call = decode_call(model, tokens, spec["decode_tokens"], spec["routing"], device, spec["dtype"],
+                           linears=linears)
     state_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     if device.type == "cuda":
         peak = _peak_cuda(call, device)

@@ -30,6 +30,7 @@ import torch
 from modcli.bundle.writer import time_bundle
 from modcli.errors import UserError
 from modcli.hardware import device_name, resolve_device, tune_cpu_allocator
+from modcli.packed_linear import linear_kernel
 from modcli.profiling.config import ProfileConfig, ProfileResult, SeqLenProfile
 from modcli.profiling.flop_counts import FLOPS_NOTE
 from modcli.profiling.measure import measure_seq_len
@@ -112,7 +113,7 @@ def profile(config: ProfileConfig, quiet: bool = False) -> ProfileResult:
         device=str(device), device_name=device_name(device), dtype=config.dtype, torch_version=torch.__version__,
         threads=torch.get_num_threads(), batch_size=config.batch_size, repeats=config.repeats, warmup=config.warmup,
         decode_tokens=config.decode_tokens, routing=config.routing, compile=config.compile,
-        backends=config.backends, model=info,
+        backends=config.backends, linear_kernel=linear_kernel(device, config.dtype, config.packed_linears), model=info,
         baseline=baseline_info, results=results,
         memory_method=MEMORY_METHOD if config.memory else "peak memory: not measured (--no-memory)",
         flops_note=FLOPS_NOTE, environment=_environment(allocator), load_avg_start=load_start, load_avg_end=_load_avg(),

@@ -167,7 +167,8 @@ def _table(result: ProfileResult, r: SeqLenProfile) -> Table:
     if result.model.routers_calibrated:
         caption.append(f"untrained routers calibrated at T = {r.seq_len} on separate tokens ({result.routing} rule) "
                        f"to process {result.model.capacity:g} of the tokens")
-    table = Table(title=f"T = {r.seq_len}, batch {result.batch_size}, {result.device_name}, {result.dtype}; "
+    kernel = "; nn.Linear: oneDNN prepacked (eager inference)" if result.linear_kernel == "onednn-packed" else ""
+    table = Table(title=f"T = {r.seq_len}, batch {result.batch_size}, {result.device_name}, {result.dtype}{kernel}; "
                         f"median of {result.repeats} (min-max), interleaved",
                   caption="\n".join(caption) or None)
     table.add_column("metric")

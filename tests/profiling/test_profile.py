@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from modcli import packed_linear
 from modcli.cli import app
 from modcli.errors import UserError
 from modcli.models.decoder import MoDDecoder
@@ -48,6 +49,7 @@ def test_json_holds_every_field():
     payload = json.loads(result.stdout)  # exactly one JSON object on stdout; progress went to stderr
     assert "forward" in result.stderr
     assert payload["device"] == "cpu" and payload["device_name"].startswith("CPU")
+    assert payload["linear_kernel"] == ("onednn-packed" if packed_linear.available() else "aten")
     assert payload["model"]["routed_layers"] == [1, 3] and payload["baseline"]["dense"]
     assert payload["model"]["routers_calibrated"]
     (row,) = payload["results"]
@@ -94,6 +96,13 @@ def test_table_sweep_and_plot(tmp_path):
         assert text in result.stdout
     assert "peak memory MiB" not in result.stdout and "decode step" not in result.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_packed_linears_profiles_with_pytorchs_default_kernel():
+    result = invoke(*TINY_FLAGS, "--seq-len", "16", "--no-memory", "--measure", "forward", "--no-packed-linears",
+                    "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["linear_kernel"] == "aten"
 
 
 @pytest.mark.slow

@@ -1,0 +1,178 @@
+"""`modcli.packed_linear`: oneDNN's prepacked linear for CPU inference equals nn.Linear to rounding, falls back to
+nn.Linear's own forward (bit for bit) wherever it does not apply, never reads a stale weight, and leaves the model
+as it was on exit. No timed assertions (bench/cpu_linear_kernels.py times it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from modcli import packed_linear
+from modcli.cli import app
+from modcli.models.build import build_model
+from modcli.models.cache import DecoderCache
+from modcli.packed_linear import PackedLinears, inference_linears, linear_kernel, pays
+from tests.conftest import tiny_model_config
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this PyTorch build has no oneDNN")
+ATOL, RTOL = 1e-5, 1e-5
+"""Another summation order than MKL's: rounding only."""
+
+runner = CliRunner()
+
+
+def big_linear(bias: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(512, 512, bias=bias)  # 262k weight elements: packed from 2 rows up (`pays`)
+
+
+def test_the_packed_product_equals_nn_linear_for_every_input_layout():
+    layer = big_linear()
+    packed = PackedLinears(layer)
+    inputs = {"2-d": torch.randn(8, 512), "3-d": torch.randn(2, 8, 512), "4-d": torch.randn(2, 3, 4, 512),
+              "non-contiguous": torch.randn(2, 512, 8).transpose(1, 2)}
+    with torch.no_grad():
+        for name, x in inputs.items():
+            reference = layer(x)
+            with packed:
+                out = layer(x)
+            assert out.shape == reference.shape, name
+            assert torch.allclose(out, reference, rtol=RTOL, atol=ATOL), name
+    assert packed.packed_count() == 1
+
+
+@pytest.mark.parametrize("case", ["grad", "single row", "bfloat16 autocast", "small weight"])
+def test_where_it_does_not_apply_nn_linear_runs_bit_for_bit(case):
+    layer = big_linear() if case != "small weight" else nn.Linear(64, 64)
+    x = torch.randn(1 if case == "single row" else 8, layer.in_features)
+    packed = PackedLinears(layer)
+
+    def run():
+        if case == "grad":
+            return layer(x)
+        with torch.no_grad():
+            if case == "bfloat16 autocast":
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return layer(x)
+            return layer(x)
+
+    reference = run()
+    with packed:
+        out = run()
+    assert torch.equal(out, reference)
+    assert packed.packed_count() == 0  # nothing was packed: the product never took the packed kernel
+    if case == "grad":
+        out.sum().backward()  # nn.Linear's own forward, so training through it works
+        assert layer.weight.grad is not None
+
+
+def test_a_changed_or_replaced_weight_is_packed_again():
+    layer = big_linear(bias=False)
+    x = torch.randn(8, 512)
+    packed = PackedLinears(layer)
+    with torch.no_grad(), packed:
+        layer(x)
+        layer.weight.mul_(2)  # in place: the version counter moves
+        assert torch.allclose(layer(x), x @ layer.weight.T, rtol=RTOL, atol=ATOL)
+        layer.weight = nn.Parameter(torch.randn(512, 512) / 512**0.5)  # a new parameter (load_state_dict(assign=True))
+        assert torch.allclose(layer(x), x @ layer.weight.T, rtol=RTOL, atol=ATOL)
+
+
+def test_exit_leaves_the_model_as_it_was_and_nesting_is_allowed():
+    model = build_model(tiny_model_config())
+    packed = PackedLinears(model)
+    assert packed.linears and all("forward" not in m.__dict__ for m in packed.linears)
+    with packed:
+        with packed:
+            assert all("forward" in m.__dict__ for m in packed.linears)
+        assert all("forward" in m.__dict__ for m in packed.linears)  # the inner exit keeps the outer one's
+    assert all("forward" not in m.__dict__ for m in packed.linears)
+    with pytest.raises(RuntimeError), packed:
+        raise RuntimeError("an error inside")
+    assert all("forward" not in m.__dict__ for m in packed.linears)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_model_forward_and_cached_decoding_equal_the_aten_ones(dense, monkeypatch):
+    monkeypatch.setattr(packed_linear, "pays", lambda rows, elements: True)  # tiny weights: pack every product
+    config = tiny_model_config()
+    model = build_model(config.dense_twin() if dense else config).eval()
+    routing = "dense" if dense else "router"
+    tokens = torch.randint(0, config.vocab_size, (2, 24))
+    step_tokens = torch.randint(0, config.vocab_size, (2,))
+
+    def run():
+        forward = model(tokens, "dense" if dense else "topk")
+        cache = DecoderCache.allocate(model.config, 2, 25, torch.device("cpu"), torch.float32)
+        prefill = model(tokens, routing, cache=cache)
+        step = model.decode_step(step_tokens, cache, routing)
+        return forward, prefill, step
+
+    packed = PackedLinears(model)
+    with torch.no_grad():
+        reference = run()
+        with packed:
+            out = run()
+    assert packed.packed_count() >= 4 * config.n_layers + 1  # every block's four matrices and the head ran packed
+    for name, a, b in zip(("forward", "prefill", "decode step"), out, reference, strict=True):
+        assert torch.allclose(a, b, rtol=RTOL, atol=ATOL), name
+
+
+def test_the_cost_rule_follows_the_measured_table():
+    assert not pays(1, 256 * 704) and pays(2, 256 * 704) and pays(32, 256 * 704)  # single-row decode stays on MKL
+    assert pays(1, 1536 * 576)  # a large weight pays even for one row
+    assert not pays(2, 256 * 256) and pays(256, 256 * 256)  # a small weight only for many rows
+
+
+def test_it_applies_to_float32_on_the_cpu_only(monkeypatch):
+    model = build_model(tiny_model_config())
+    cpu = torch.device("cpu")
+    assert isinstance(inference_linears(model, cpu, "float32", True), PackedLinears)
+    assert linear_kernel(cpu, "float32", True) == "onednn-packed"
+    for device, dtype, enabled in ((cpu, "bfloat16", True), (cpu, "float32", False),
+                                   (torch.device("cuda"), "float32", True)):
+        assert inference_linears(model, device, dtype, enabled) is None
+        assert linear_kernel(device, dtype, enabled) == "aten"
+    monkeypatch.setattr(packed_linear, "available", lambda: False)  # a PyTorch build without oneDNN
+    assert inference_linears(model, cpu, "float32", True) is None
+
+
+@pytest.mark.parametrize("flag, kernel", [([], "onednn-packed"), (["--no-packed-linears"], "aten")])
+def test_generate_reports_its_linear_kernel_and_decodes_the_same_text(trained_run, flag, kernel, monkeypatch):
+    count = packed_products(monkeypatch)
+    args = ["generate", str(trained_run), "--prompt", "def f", "--max-new-tokens", "12", "--temperature", "0",
+            "--device", "cpu", "--json"]
+    result = runner.invoke(app, [*args, *flag])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["linear_kernel"] == kernel
+    aten = json.loads(runner.invoke(app, [*args, "--no-packed-linears"]).stdout)
+    assert payload["tokens"] == aten["tokens"]  # the tiny run's greedy choices have no near-ties
+    assert (count[0] > 0) == (kernel == "onednn-packed")
+
+
+def packed_products(monkeypatch) -> list[int]:
+    """Pack every product (the tiny run's weights are small) and count the products the packed kernel computes."""
+    monkeypatch.setattr(packed_linear, "pays", lambda rows, elements: True)
+    count = [0]
+    packed = torch.ops.mkldnn._linear_pointwise
+
+    def counted(*args):
+        count[0] += 1
+        return packed(*args)
+
+    monkeypatch.setattr(packed_linear, "_packed_product", counted)
+    return count
+
+
+def test_eval_losses_equal_with_and_without_the_packed_kernel(trained_run, monkeypatch):
+    count = packed_products(monkeypatch)
+    args = ["eval", str(trained_run), "--batches", "2", "--batch-size", "2", "--device", "cpu", "--json"]
+    packed, aten = (json.loads(runner.invoke(app, [*args, *flag]).stdout) for flag in ([], ["--no-packed-linears"]))
+    for a, b in zip(packed["results"], aten["results"], strict=True):
+        assert a["routing"] == b["routing"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert count[0] > 0  # and the first run's products did go through the packed kernel
