@@ -12,7 +12,7 @@ or `load_state_dict` between two uses is never read stale.
 A call takes nn.Linear's own forward (bit for bit what it computes without this) where the packed kernel does not
 apply: grad enabled (it has no backward), an input or weight that is not float32 on the CPU, autocast on, or oneDNN
 missing from the PyTorch build. It also takes nn.Linear's forward where the packed kernel does not pay: a oneDNN call
-costs ~10 us more than MKL's, so small products stay on MKL (`pays`).
+costs ~10 us more than MKL's, so small products stay on MKL (`min_rows`).
 
 Results differ from MKL's by rounding only (another summation order: ~1e-6 relative). Memory: a second copy of every
 weight that was packed, held as long as the `PackedLinears` object lives. The instance-level forward is set on entry
@@ -22,16 +22,18 @@ inside it.
 
 from __future__ import annotations
 
-import functools
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 SMALL_WEIGHT = 1 << 17
 """Weights below this many elements stay on MKL unless the product has >= LARGE_PRODUCT multiply-adds."""
 SINGLE_ROW_WEIGHT = 1 << 19
 """A single-row product (batch-1 decode) is packed only from this many weight elements up."""
-LARGE_PRODUCT = 1 << 22
+LARGE_PRODUCT = 1 << 21
 """Rows x weight elements from which any product is packed."""
 
 
@@ -41,17 +43,22 @@ def available() -> bool:
         hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
 
 
-def pays(rows: int, weight_elements: int) -> bool:
-    """Whether the packed kernel beats MKL for a product of `rows` input rows with a weight of `weight_elements`.
+def min_rows(weight_elements: int) -> int:
+    """The fewest input rows for which the packed kernel beats MKL with a weight of `weight_elements`.
 
     From bench/cpu_linear_kernels.py on the 2-core Zen 5 (MKL time / packed time): a 256 x 704 weight (180k
     elements) is 0.49 at 1 row, 1.23 at 2, 1.69 at 32; 768 x 256 (197k) 0.64 / 1.71 / 1.74; 1536 x 576 (885k) 1.38
-    at 1 row; 256 x 256 (65k) 0.65 at 2 rows, 1.12 at 32, 1.86 at 256."""
-    if rows * weight_elements >= LARGE_PRODUCT:
-        return True
-    if rows == 1:
-        return weight_elements >= SINGLE_ROW_WEIGHT
-    return weight_elements >= SMALL_WEIGHT
+    at 1 row; 256 x 256 (65k) 0.60-0.65 at 2 rows, 1.12-1.30 at 32, 1.86-2.05 at 256."""
+    if weight_elements >= SINGLE_ROW_WEIGHT:
+        return 1
+    if weight_elements >= SMALL_WEIGHT:
+        return 2
+    return -(-LARGE_PRODUCT // max(weight_elements, 1))
+
+
+def pays(rows: int, weight_elements: int) -> bool:
+    """Whether a product of `rows` input rows with a weight of `weight_elements` takes the packed kernel."""
+    return rows >= min_rows(weight_elements)
 
 
 def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None, *fusion) -> Tensor:
@@ -60,12 +67,13 @@ def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None, *fusion) -> 
 
 
 class PackedLinears:
-    """The packed-weight forward for every nn.Linear of `model`, active inside `with` (re-entrant, reusable)."""
+    """The packed-weight forward for the nn.Linear modules of `model`, active inside `with` (every one) or
+    `with .up_to(rows)` (those that can pay at that many rows); re-entrant and reusable."""
 
     def __init__(self, model: nn.Module):
         self.linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
         self._packed: dict[int, tuple[Tensor, int, Tensor]] = {}  # id(module) -> (weight, its version, packed copy)
-        self._depth = 0
+        self._entered: list[contextlib.AbstractContextManager] = []
         self.enabled = available()
 
     def packed_weight(self, module: nn.Linear) -> Tensor:
@@ -82,26 +90,47 @@ class PackedLinears:
         """How many weights have a packed copy (those that were used in a product that pays)."""
         return len(self._packed)
 
-    def forward(self, module: nn.Linear, x: Tensor) -> Tensor:
-        weight = module.weight
-        if (not self.enabled or torch.is_grad_enabled() or x.dtype != torch.float32 or weight.dtype != torch.float32
-                or x.device.type != "cpu" or weight.device.type != "cpu" or torch.is_autocast_enabled("cpu")
-                or not pays(x.numel() // max(x.shape[-1], 1), weight.numel())):
-            return nn.Linear.forward(module, x)
-        return _packed_product(x, self.packed_weight(module), module.bias, "none", [], "")
+    def _forward(self, module: nn.Linear) -> Callable[[Tensor], Tensor]:
+        """`module`'s forward inside `with`: the packed product from `min_rows` rows up, nn.Linear's own below it
+        and wherever the packed kernel does not apply (the fallback is a few attribute reads: decoding calls it for
+        every single-row product)."""
+        min_elements = min_rows(module.weight.numel()) * module.in_features  # input elements from which it pays
+
+        def forward(x: Tensor) -> Tensor:
+            weight = module.weight
+            if (x.numel() < min_elements or torch.is_grad_enabled() or x.dtype is not torch.float32 or not x.is_cpu
+                    or weight.dtype is not torch.float32 or not weight.is_cpu or torch.is_autocast_enabled("cpu")):
+                return F.linear(x, weight, module.bias)
+            return _packed_product(x, self.packed_weight(module), module.bias, "none", [], "")
+
+        return forward
+
+    @contextlib.contextmanager
+    def up_to(self, max_rows: int | None = None) -> Iterator[PackedLinears]:
+        """Inside: the packed forward on each nn.Linear for which a product of at most `max_rows` input rows can
+        pay (`min_rows`; None: every nn.Linear). A caller that knows its products are small (a decode step of B
+        rows: `up_to(B)`) so leaves the others on nn.Linear's own forward, with no check per call."""
+        chosen = [module for module in self.linears if self.enabled
+                  and (max_rows is None or min_rows(module.weight.numel()) <= max_rows)]
+        outer = [module.__dict__.get("forward") for module in chosen]  # an enclosing `with`'s, restored on exit
+        for module in chosen:
+            module.forward = self._forward(module)
+        try:
+            yield self
+        finally:
+            for module, forward in zip(chosen, outer, strict=True):
+                if forward is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = forward
 
     def __enter__(self) -> PackedLinears:
-        if self._depth == 0 and self.enabled:
-            for module in self.linears:
-                module.forward = functools.partial(self.forward, module)
-        self._depth += 1
-        return self
+        context = self.up_to()
+        self._entered.append(context)
+        return context.__enter__()
 
     def __exit__(self, *exc) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self.enabled:
-            for module in self.linears:
-                module.__dict__.pop("forward", None)
+        self._entered.pop().__exit__(*exc)
 
 
 def linear_kernel(device: torch.device, dtype: str, enabled: bool) -> str:

@@ -21,7 +21,7 @@ from modcli.hardware import TORCH_DTYPES, autocast, resolve_device
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
 from modcli.models.early_exit import ExitStats, check_exit_decoding, speculative_decode
-from modcli.packed_linear import inference_linears
+from modcli.packed_linear import PackedLinears, inference_linears
 from modcli.reports.console import stderr_console
 
 
@@ -211,24 +211,51 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
     linears = None if static is not None else inference_linears(model, device, config.dtype, config.packed_linears)
-    with linears or contextlib.nullcontext():
-        result = _decode(config, model, tokenizer, routing, prompts, cache, static, uniforms, new_tokens, on_bytes,
-                         stats if exits else None, device)
+    result = _decode(config, model, tokenizer, routing, prompts, cache, static, uniforms, new_tokens, on_bytes,
+                     stats if exits else None, device, linears)
     result.linear_kernel = "aten" if linears is None else "onednn-packed"
     return result
 
 
 def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, routing: str,
             prompts: list[list[int]], cache: DecoderCache, static, uniforms: Tensor | None, new_tokens: Tensor,
-            on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device) -> GenerateResult:
-    """`generate`'s prefill and decoding loop, timed."""
+            on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device,
+            linears: PackedLinears | None) -> GenerateResult:
+    """`generate`'s prefill and decoding loop, timed; `linears`: the packed kernel (`modcli.packed_linear`) on the
+    products that can pay, entered before each clock starts: the prefill's, then the decode steps' (B rows, or a
+    speculative round's B x (drafts + 1))."""
     batch = len(prompts)
     exits = stats is not None
-    start = time.perf_counter()
-    logits = prefill(model, prompts, cache, routing, device, config.dtype, static)
-    _sync(device)
-    prefill_s = time.perf_counter() - start if static is None else static.prefill_s
+    with linears.up_to() if linears else contextlib.nullcontext():
+        start = time.perf_counter()
+        logits = prefill(model, prompts, cache, routing, device, config.dtype, static)
+        _sync(device)
+        prefill_s = time.perf_counter() - start if static is None else static.prefill_s
     streams = [TextPieces(tokenizer) for _ in prompts]
+    step_rows = batch * (config.draft_tokens + 1 if config.speculative else 1)
+    with linears.up_to(step_rows) if linears else contextlib.nullcontext():
+        outputs, stats, decode_s = _decode_steps(config, model, routing, cache, static, uniforms, new_tokens,
+                                                 logits, streams, on_bytes, stats, device)
+
+    positions = cache.positions.sum().item()
+    processed = {f"block{layer}": cache.layers[layer].lengths.sum().item() / positions
+                 for layer in model.config.routed_layers() if model.config.attention_is_routed(layer)}
+    return GenerateResult(
+        texts=[tokenizer.decode(out) for out in outputs], tokens=outputs,
+        new_tokens=batch * config.max_new_tokens, prefill_s=prefill_s, decode_s=decode_s,
+        tokens_per_s=batch * config.max_new_tokens / max(prefill_s + decode_s, 1e-9),
+        processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
+        kv_cache_allocated_bytes=cache.allocated_bytes(), dense_kv_cache_bytes=cache.dense_equivalent_bytes(),
+        dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing,
+        compile_s=static.compile_stats.compile_s if static else None,
+        graph_breaks=static.compile_stats.graph_breaks if static else None,
+        **(_exit_fields(stats, batch) if exits else {}))
+
+
+def _decode_steps(config: GenerateConfig, model: MoDDecoder, routing: str, cache: DecoderCache, static,
+                  uniforms: Tensor | None, new_tokens: Tensor, logits: Tensor, streams: list[TextPieces],
+                  on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device):
+    """Sample and decode the new tokens after the prefill's `logits` -> (tokens per row, exit statistics, seconds)."""
     start = time.perf_counter()
     for step in range(config.max_new_tokens if not config.speculative else 0):
         step_uniforms = uniforms[step] if uniforms is not None else None
@@ -257,20 +284,7 @@ def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, rou
                                                 config.draft_tokens, on_token)
     _sync(device)
     decode_s = time.perf_counter() - start
-
-    positions = cache.positions.sum().item()
-    processed = {f"block{layer}": cache.layers[layer].lengths.sum().item() / positions
-                 for layer in model.config.routed_layers() if model.config.attention_is_routed(layer)}
-    return GenerateResult(
-        texts=[tokenizer.decode(out) for out in outputs], tokens=outputs,
-        new_tokens=batch * config.max_new_tokens, prefill_s=prefill_s, decode_s=decode_s,
-        tokens_per_s=batch * config.max_new_tokens / max(prefill_s + decode_s, 1e-9),
-        processed_fraction=processed, kv_cache_bytes=cache.stored_bytes(),
-        kv_cache_allocated_bytes=cache.allocated_bytes(), dense_kv_cache_bytes=cache.dense_equivalent_bytes(),
-        dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing,
-        compile_s=static.compile_stats.compile_s if static else None,
-        graph_breaks=static.compile_stats.graph_breaks if static else None,
-        **(_exit_fields(stats, batch) if exits else {}))
+    return outputs, stats, decode_s
 
 
 def _exit_fields(stats, batch: int) -> dict:

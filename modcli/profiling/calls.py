@@ -94,19 +94,25 @@ def train_call(model: MoDDecoder, step_model, tokens: torch.Tensor, device: torc
 
 
 def _prefill_then_steps(prefill: Callable[[], Any], step: Callable[[torch.Tensor], Any], new_tokens: torch.Tensor,
-                        device: torch.device, dtype: str) -> dict[str, float]:
-    """Time prefill() and then one step(token row) per row of new_tokens: seconds of the prefill and per step."""
-    synchronize(device)
-    start = time.perf_counter()
-    with autocast(device, dtype):
-        prefill()
-    synchronize(device)
-    prefilled = time.perf_counter()
-    with autocast(device, dtype):
-        for tokens in new_tokens:
-            step(tokens)
-    synchronize(device)
-    return {"prefill": prefilled - start, "decode": (time.perf_counter() - prefilled) / len(new_tokens)}
+                        device: torch.device, dtype: str,
+                        linears: PackedLinears | None = None) -> dict[str, float]:
+    """Time prefill() and then one step(token row) per row of new_tokens: seconds of the prefill and per step.
+    `linears`: the packed kernel, entered before each clock starts (the prefill's products, then the steps' B rows)."""
+    batch = new_tokens.shape[1]
+    with linears.up_to() if linears else contextlib.nullcontext():
+        synchronize(device)
+        start = time.perf_counter()
+        with autocast(device, dtype):
+            prefill()
+        synchronize(device)
+        prefilled = time.perf_counter()
+    with linears.up_to(batch) if linears else contextlib.nullcontext():
+        stepping = time.perf_counter()
+        with autocast(device, dtype):
+            for tokens in new_tokens:
+                step(tokens)
+        synchronize(device)
+        return {"prefill": prefilled - start, "decode": (time.perf_counter() - stepping) / len(new_tokens)}
 
 
 def decode_call(model: MoDDecoder, tokens: torch.Tensor, decode_tokens: int, routing: str, device: torch.device,
@@ -123,10 +129,9 @@ def decode_call(model: MoDDecoder, tokens: torch.Tensor, decode_tokens: int, rou
     @torch.no_grad()
     def call() -> dict[str, float]:
         cache = DecoderCache.allocate(model.config, batch, seq_len + decode_tokens, device, kv_dtype)
-        with linears or contextlib.nullcontext():
-            seconds = _prefill_then_steps(lambda: model(tokens, routing, cache=cache),
-                                          lambda step_tokens: model.decode_step(step_tokens, cache, routing),
-                                          new_tokens, device, dtype)
+        seconds = _prefill_then_steps(lambda: model(tokens, routing, cache=cache),
+                                      lambda step_tokens: model.decode_step(step_tokens, cache, routing),
+                                      new_tokens, device, dtype, linears)
         if keep is not None:
             keep["cache"] = cache
         return seconds

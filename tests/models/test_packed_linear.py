@@ -96,9 +96,21 @@ def test_exit_leaves_the_model_as_it_was_and_nesting_is_allowed():
     assert all("forward" not in m.__dict__ for m in packed.linears)
 
 
+def test_up_to_rows_installs_only_where_such_products_can_pay():
+    small, large = nn.Linear(256, 256), nn.Linear(576, 1536)  # 65k elements: from 32 rows; 885k: from 1 row
+    model = nn.Sequential(small, large)
+    packed = PackedLinears(model)
+    with packed.up_to(1):  # a batch-1 decode step
+        assert "forward" not in small.__dict__ and "forward" in large.__dict__
+        with packed.up_to():  # every one, restored to the enclosing choice on exit
+            assert "forward" in small.__dict__
+        assert "forward" not in small.__dict__ and "forward" in large.__dict__
+    assert "forward" not in large.__dict__
+
+
 @pytest.mark.parametrize("dense", [False, True])
 def test_the_model_forward_and_cached_decoding_equal_the_aten_ones(dense, monkeypatch):
-    monkeypatch.setattr(packed_linear, "pays", lambda rows, elements: True)  # tiny weights: pack every product
+    monkeypatch.setattr(packed_linear, "min_rows", lambda elements: 1)  # tiny weights: pack every product
     config = tiny_model_config()
     model = build_model(config.dense_twin() if dense else config).eval()
     routing = "dense" if dense else "router"
@@ -125,7 +137,7 @@ def test_the_model_forward_and_cached_decoding_equal_the_aten_ones(dense, monkey
 def test_the_cost_rule_follows_the_measured_table():
     assert not pays(1, 256 * 704) and pays(2, 256 * 704) and pays(32, 256 * 704)  # single-row decode stays on MKL
     assert pays(1, 1536 * 576)  # a large weight pays even for one row
-    assert not pays(2, 256 * 256) and pays(256, 256 * 256)  # a small weight only for many rows
+    assert not pays(2, 256 * 256) and pays(32, 256 * 256)  # a small weight only for many rows
 
 
 def test_it_applies_to_float32_on_the_cpu_only(monkeypatch):
@@ -157,7 +169,7 @@ def test_generate_reports_its_linear_kernel_and_decodes_the_same_text(trained_ru
 
 def packed_products(monkeypatch) -> list[int]:
     """Pack every product (the tiny run's weights are small) and count the products the packed kernel computes."""
-    monkeypatch.setattr(packed_linear, "pays", lambda rows, elements: True)
+    monkeypatch.setattr(packed_linear, "min_rows", lambda elements: 1)
     count = [0]
     packed = torch.ops.mkldnn._linear_pointwise
 
