@@ -6,8 +6,9 @@ PyTorch also ships and which torch.compile's CPU "freezing" path calls, runs the
 weight reordered once into its blocked layout (`bench/cpu_linear_kernels.py` measures both per shape).
 `PackedLinears` gives eager inference that kernel: inside `with PackedLinears(model):`, each nn.Linear of the model
 computes `torch.ops.mkldnn._linear_pointwise` on its weight's packed copy. The copy is made on first use and made
-again only when the weight changed (its version counter moved, or the parameter was replaced), so an optimizer step
-or `load_state_dict` between two uses is never read stale.
+again when the weight changed: its version counter moved (an optimizer step, `load_state_dict`, any in-place op),
+the parameter was replaced, or its storage was (`weight.data = ...`). Only an in-place write through `.data`, which
+PyTorch does not count, goes unseen.
 
 A call takes nn.Linear's own forward (bit for bit what it computes without this) where the packed kernel does not
 apply: grad enabled (it has no backward), an input or weight that is not float32 on the CPU, autocast on, or oneDNN
@@ -16,8 +17,8 @@ costs ~10 us more than MKL's, so small products stay on MKL (`min_rows`).
 
 Results differ from MKL's by rounding only (another summation order: ~1e-6 relative). Memory: a second copy of every
 weight that was packed, held as long as the `PackedLinears` object lives. The instance-level forward is set on entry
-and removed on exit, so a model compiled or exported outside the `with` never sees it; do not compile or export
-inside it.
+and removed on exit, so a model compiled, exported or copied outside the `with` never sees it; do not compile,
+export, deepcopy or pickle the model inside it (a copy would keep a forward bound to the original's weights).
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ class PackedLinears:
     `with .up_to(rows)` (those that can pay at that many rows); re-entrant and reusable."""
 
     def __init__(self, model: nn.Module):
-        self.linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
-        self._packed: dict[int, tuple[Tensor, int, Tensor]] = {}  # id(module) -> (weight, its version, packed copy)
+        # nn.Linear itself: a subclass with a forward of its own (an adapter, a quantised layer) keeps it
+        self.linears = [module for module in model.modules()
+                        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward]
+        # id(module) -> (weight, its version, its storage's address, packed copy)
+        self._packed: dict[int, tuple[Tensor, int, int, Tensor]] = {}
         self._entered: list[contextlib.AbstractContextManager] = []
         self.enabled = available()
 
@@ -80,11 +84,12 @@ class PackedLinears:
         """`module.weight` in oneDNN's blocked layout, packed again if the weight changed since."""
         weight = module.weight
         cached = self._packed.get(id(module))
-        if cached is None or cached[0] is not weight or cached[1] != weight._version:
+        if (cached is None or cached[0] is not weight or cached[1] != weight._version
+                or cached[2] != weight.data_ptr()):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            cached = (weight, weight._version, packed)
+            cached = (weight, weight._version, weight.data_ptr(), packed)
             self._packed[id(module)] = cached
-        return cached[2]
+        return cached[3]
 
     def packed_count(self) -> int:
         """How many weights have a packed copy (those that were used in a product that pays)."""
@@ -109,13 +114,13 @@ class PackedLinears:
     def up_to(self, max_rows: int | None = None) -> Iterator[PackedLinears]:
         """Inside: the packed forward on each nn.Linear for which a product of at most `max_rows` input rows can
         pay (`min_rows`; None: every nn.Linear). A caller that knows its products are small (a decode step of B
-        rows: `up_to(B)`) so leaves the others on nn.Linear's own forward, with no check per call."""
+        rows: `up_to(B)`) thereby leaves the others on nn.Linear's own forward, with no check per call."""
         chosen = [module for module in self.linears if self.enabled
                   and (max_rows is None or min_rows(module.weight.numel()) <= max_rows)]
         outer = [module.__dict__.get("forward") for module in chosen]  # an enclosing `with`'s, restored on exit
-        for module in chosen:
-            module.forward = self._forward(module)
         try:
+            for module in chosen:
+                module.forward = self._forward(module)
             yield self
         finally:
             for module, forward in zip(chosen, outer, strict=True):

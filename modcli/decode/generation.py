@@ -119,7 +119,8 @@ class GenerateResult:
     graph_breaks: int | None = None
     """--compile: graph breaks torch.compile met (0: prefill and decode step are one graph each)."""
     linear_kernel: str = "aten"
-    """What the eager decoding ran nn.Linear with: onednn-packed (`modcli.packed_linear`) or aten."""
+    """What the eager decoding ran nn.Linear with: onednn-packed (`modcli.packed_linear`: the products where it pays;
+    the rest, e.g. a small model's single-row decode steps, stay on PyTorch's default) or aten."""
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, uniforms: Tensor | None) -> Tensor:

@@ -35,7 +35,8 @@ MEMORY_METHOD = (
     "model's parameter and buffer bytes plus the rise of the process's peak resident set (VmHWM, reset through "
     "/proc/self/clear_refs once the model is built and freed heap memory is trimmed; glibc maps every block over "
     "128 KiB on its own, so freed tensors leave the resident set) while the calls run: weights, gradients, "
-    "optimizer state, activations, KV cache, library buffers and some allocator slack are counted, the Python "
+    "optimizer state, activations, KV cache, the packed weight copies of CPU inference (modcli.packed_linear), "
+    "library buffers and some allocator slack are counted, the Python "
     "and library code is not. CUDA: the same with torch.cuda.max_memory_allocated after "
     "reset_peak_memory_stats (tensor memory only, not the allocator's reserve). Other devices: not measured."
 )

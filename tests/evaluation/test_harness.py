@@ -266,6 +266,8 @@ def test_bad_input_is_one_line_and_exit_2(learned_run, tmp_path):
          "one causal --routing mode"),
         (["--tasks", "modcli_tiny_choice", "--include-path", str(tmp_path / "nowhere")], "no such folder"),
         (["--tasks", "modcli_tiny_choice", "--batches", "2", *include], "--batches applies to the perplexity"),
+        (["--tasks", "modcli_tiny_choice", "--no-packed-linears", *include],
+         "--packed-linears/--no-packed-linears applies to the perplexity"),
         (["--tasks", "", *include], "name at least one task"),
         (["--tasks", "modcli_tiny_choice", "--limit", "0", *include], "--limit must be >= 1"),
         (["--num-fewshot", "2"], "--num-fewshot applies to lm-evaluation-harness tasks"),

@@ -80,6 +80,24 @@ def test_a_changed_or_replaced_weight_is_packed_again():
         assert torch.allclose(layer(x), x @ layer.weight.T, rtol=RTOL, atol=ATOL)
         layer.weight = nn.Parameter(torch.randn(512, 512) / 512**0.5)  # a new parameter (load_state_dict(assign=True))
         assert torch.allclose(layer(x), x @ layer.weight.T, rtol=RTOL, atol=ATOL)
+        layer.weight.data = torch.randn(512, 512) / 512**0.5  # new storage under the same parameter
+        assert torch.allclose(layer(x), x @ layer.weight.T, rtol=RTOL, atol=ATOL)
+
+
+def test_a_subclass_with_its_own_forward_keeps_it():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(Doubled(512, 512), big_linear())
+    packed = PackedLinears(model)
+    assert packed.linears == [model[1]]
+    x = torch.randn(8, 512)
+    with torch.no_grad():
+        reference = model(x)
+        with packed:
+            assert "forward" not in model[0].__dict__
+            assert torch.allclose(model(x), reference, rtol=RTOL, atol=ATOL)
 
 
 def test_exit_leaves_the_model_as_it_was_and_nesting_is_allowed():
@@ -179,6 +197,18 @@ def packed_products(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(packed_linear, "_packed_product", counted)
     return count
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-packed-linears"]])
+def test_profile_times_its_eager_calls_with_the_kernel_it_reports(flag, monkeypatch):
+    count = packed_products(monkeypatch)
+    result = runner.invoke(app, ["profile", "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
+                                 "--batch-size", "1", "--seq-len", "16", "--repeats", "1", "--warmup", "0",
+                                 "--decode-tokens", "2", "--measure", "forward,decode", "--no-memory", "--device",
+                                 "cpu", "--json", *flag])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["linear_kernel"] == ("aten" if flag else "onednn-packed")
+    assert (count[0] > 0) == (not flag)  # the timed eager calls did (or did not) run the packed kernel
 
 
 def test_eval_losses_equal_with_and_without_the_packed_kernel(trained_run, monkeypatch):

@@ -98,13 +98,6 @@ def test_table_sweep_and_plot(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_no_packed_linears_profiles_with_pytorchs_default_kernel():
-    result = invoke(*TINY_FLAGS, "--seq-len", "16", "--no-memory", "--measure", "forward", "--no-packed-linears",
-                    "--json")
-    assert result.exit_code == 0, result.stderr
-    assert json.loads(result.stdout)["linear_kernel"] == "aten"
-
-
 @pytest.mark.slow
 def test_profile_counts_forward_training_and_decode_flops_like_the_analytic_formulas():
     from modcli.models.flops import decode_step_flops
