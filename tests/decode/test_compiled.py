@@ -180,6 +180,7 @@ def test_generate_compile_gives_the_eager_text(tmp_path, trained_run):
     assert compiled["texts"] == eager["texts"]
     assert compiled["graph_breaks"] == 0 and compiled["compile_s"] > 0
     assert eager["compile_s"] is None
+    assert compiled["linear_kernel"] == "aten"  # the packed kernel is for eager decoding only (modcli.packed_linear)
 
 
 def test_static_decoding_refuses_a_family_without_a_decode_graph():
