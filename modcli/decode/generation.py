@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -211,30 +210,28 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         uniforms = uniforms.to(device)
     new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
-    linears = None if static is not None else inference_linears(model, device, config.dtype, config.packed_linears)
-    result = _decode(config, model, tokenizer, routing, prompts, cache, static, uniforms, new_tokens, on_bytes,
-                     stats if exits else None, device, linears)
-    result.linear_kernel = "aten" if linears is None else "onednn-packed"
-    return result
+    linears = inference_linears(model, device, config.dtype, config.packed_linears and static is None)
+    return _decode(config, model, tokenizer, routing, prompts, cache, static, uniforms, new_tokens, on_bytes,
+                   stats if exits else None, device, linears)
 
 
 def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, routing: str,
             prompts: list[list[int]], cache: DecoderCache, static, uniforms: Tensor | None, new_tokens: Tensor,
             on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device,
-            linears: PackedLinears | None) -> GenerateResult:
+            linears: PackedLinears) -> GenerateResult:
     """`generate`'s prefill and decoding loop, timed; `linears`: the packed kernel (`modcli.packed_linear`) on the
     products that can pay, entered before each clock starts: the prefill's, then the decode steps' (B rows, or a
     speculative round's B x (drafts + 1))."""
     batch = len(prompts)
     exits = stats is not None
-    with linears.up_to() if linears else contextlib.nullcontext():
+    with linears.up_to():
         start = time.perf_counter()
         logits = prefill(model, prompts, cache, routing, device, config.dtype, static)
         _sync(device)
         prefill_s = time.perf_counter() - start if static is None else static.prefill_s
     streams = [TextPieces(tokenizer) for _ in prompts]
     step_rows = batch * (config.draft_tokens + 1 if config.speculative else 1)
-    with linears.up_to(step_rows) if linears else contextlib.nullcontext():
+    with linears.up_to(step_rows):
         outputs, stats, decode_s = _decode_steps(config, model, routing, cache, static, uniforms, new_tokens,
                                                  logits, streams, on_bytes, stats, device)
 
@@ -249,7 +246,7 @@ def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, rou
         kv_cache_allocated_bytes=cache.allocated_bytes(), dense_kv_cache_bytes=cache.dense_equivalent_bytes(),
         dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing,
         compile_s=static.compile_stats.compile_s if static else None,
-        graph_breaks=static.compile_stats.graph_breaks if static else None,
+        graph_breaks=static.compile_stats.graph_breaks if static else None, linear_kernel=linears.kernel,
         **(_exit_fields(stats, batch) if exits else {}))
 
 

@@ -8,7 +8,6 @@ honest ones. Each mode is listed with `causal: true|false`, from the router's ca
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,8 +97,7 @@ def evaluate(config: EvalConfig) -> EvalResult:
         modes = ["dense"]
     else:
         modes = list(config.routing) or list(model.routing_modes())
-    linears = inference_linears(model, device, config.dtype, config.packed_linears)
-    with linears or contextlib.nullcontext():
+    with inference_linears(model, device, config.dtype, config.packed_linears):
         return _evaluate(config, model, run_config, checkpoint, corpus, modes, device)
 
 

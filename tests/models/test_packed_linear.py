@@ -161,14 +161,20 @@ def test_the_cost_rule_follows_the_measured_table():
 def test_it_applies_to_float32_on_the_cpu_only(monkeypatch):
     model = build_model(tiny_model_config())
     cpu = torch.device("cpu")
-    assert isinstance(inference_linears(model, cpu, "float32", True), PackedLinears)
+    assert inference_linears(model, cpu, "float32", True).kernel == "onednn-packed"
     assert linear_kernel(cpu, "float32", True) == "onednn-packed"
+
+    def assert_disabled(linears: PackedLinears) -> None:
+        assert not linears.enabled and linears.kernel == "aten"
+        with linears:  # entering a disabled one changes nothing
+            assert all("forward" not in m.__dict__ for m in linears.linears)
+
     for device, dtype, enabled in ((cpu, "bfloat16", True), (cpu, "float32", False),
                                    (torch.device("cuda"), "float32", True)):
-        assert inference_linears(model, device, dtype, enabled) is None
+        assert_disabled(inference_linears(model, device, dtype, enabled))
         assert linear_kernel(device, dtype, enabled) == "aten"
     monkeypatch.setattr(packed_linear, "available", lambda: False)  # a PyTorch build without oneDNN
-    assert inference_linears(model, cpu, "float32", True) is None
+    assert_disabled(inference_linears(model, cpu, "float32", True))
 
 
 @pytest.mark.parametrize("flag, kernel", [([], "onednn-packed"), (["--no-packed-linears"], "aten")])
