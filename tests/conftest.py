@@ -77,3 +77,20 @@ def trained_dense_run(tmp_path_factory, corpus_file) -> Path:
     config = RunConfig(model=config.model.dense_twin(), data=config.data, train=config.train)
     train(config, quiet=True)
     return out
+
+
+def packed_products(monkeypatch) -> list[int]:
+    """Pack every product (a tiny run's weights are too small to pay: `modcli.packed_linear.min_rows`) and count
+    the products the packed kernel computes (count[0])."""
+    from modcli import packed_linear
+
+    monkeypatch.setattr(packed_linear, "min_rows", lambda elements: 1)
+    count = [0]
+    packed = torch.ops.mkldnn._linear_pointwise
+
+    def counted(*args):
+        count[0] += 1
+        return packed(*args)
+
+    monkeypatch.setattr(packed_linear, "_packed_product", counted)
+    return count

@@ -16,8 +16,7 @@ from modcli.commands.common import stdout, subcommand
 from modcli.errors import UserError
 from modcli.reports.console import print_json
 
-PERPLEXITY_ONLY = {"data": "--data", "glob": "--glob", "batches": "--batches",
-                   "packed_linears": "--packed-linears/--no-packed-linears"}
+PERPLEXITY_ONLY = {"data": "--data", "glob": "--glob", "batches": "--batches"}
 """Flags of the perplexity evaluation that mean nothing to lm-eval's tasks."""
 TASKS_ONLY = {"include_path": "--include-path", "num_fewshot": "--num-fewshot", "limit": "--limit"}
 """Flags of --tasks that mean nothing to the perplexity evaluation."""

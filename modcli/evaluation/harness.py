@@ -48,6 +48,7 @@ from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES, autocast, resolve_device
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
+from modcli.packed_linear import PackedLinears, inference_linears
 
 EXTRA = "pip install 'modcli[eval]'"
 """How to install lm-evaluation-harness with modcli."""
@@ -79,6 +80,9 @@ class HarnessConfig:
     """auto, cpu, cuda or mps."""
     dtype: str = "float32"
     """Autocast dtype."""
+    packed_linears: bool = True
+    """On the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's
+    default BLAS."""
 
     def __post_init__(self) -> None:
         require(bool(self.tasks) and all(task.strip() for task in self.tasks),
@@ -120,6 +124,8 @@ class HarnessResult:
     lm_eval_version: str
     limit: int | None
     results: list[TaskResult]
+    linear_kernel: str = "aten"
+    """What nn.Linear ran with: onednn-packed (CPU float32, `modcli.packed_linear`) or aten (PyTorch's default)."""
 
 
 # ---------------------------------------------------------------------------------------- the model's side
@@ -165,23 +171,27 @@ def score_continuations(model: MoDDecoder, routing: str, requests: list[tuple[li
 
 @torch.no_grad()
 def generate_greedy(model: MoDDecoder, routing: str, prompts: list[list[int]], max_new_tokens: int,
-                    device: torch.device, dtype: str,
-                    finished: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+                    device: torch.device, dtype: str, finished: Callable[[list[int]], bool] | None = None,
+                    linears: PackedLinears | None = None) -> list[list[int]]:
     """Greedy decoding with the KV cache for a batch of prompts (right-padded, one causal prefill, then one token a
     step: `modcli generate --temperature 0`), -> each row's new tokens. `finished(new tokens)` (optional) says a row
-    is done (its text holds a stop string); decoding ends when every row is, or after `max_new_tokens`."""
+    is done (its text holds a stop string); decoding ends when every row is, or after `max_new_tokens`. `linears`:
+    the model's packed nn.Linear forward, for the prefill and (where B-row products pay) the decode steps."""
+    linears = linears if linears is not None else PackedLinears(model, enabled=False)
     cache = DecoderCache.allocate(model.config, len(prompts), max(map(len, prompts)) + max_new_tokens, device,
                                   TORCH_DTYPES[dtype])
-    logits = prefill(model, prompts, cache, routing, device, dtype)  # (B, V)
+    with linears:
+        logits = prefill(model, prompts, cache, routing, device, dtype)  # (B, V)
     new_tokens: list[list[int]] = [[] for _ in prompts]
-    for step in range(max_new_tokens):
-        next_tokens = logits.argmax(dim=-1)  # (B,)
-        for row, token in enumerate(next_tokens.tolist()):
-            new_tokens[row].append(token)
-        if step + 1 == max_new_tokens or (finished is not None and all(map(finished, new_tokens))):
-            break
-        with autocast(device, dtype):
-            logits = model.decode_step(next_tokens, cache, routing).float()
+    with linears.up_to(len(prompts)):
+        for step in range(max_new_tokens):
+            next_tokens = logits.argmax(dim=-1)  # (B,)
+            for row, token in enumerate(next_tokens.tolist()):
+                new_tokens[row].append(token)
+            if step + 1 == max_new_tokens or (finished is not None and all(map(finished, new_tokens))):
+                break
+            with autocast(device, dtype):
+                logits = model.decode_step(next_tokens, cache, routing).float()
     return new_tokens
 
 
@@ -260,20 +270,25 @@ def lm_eval_model() -> type:
     @register_model("modcli")
     class ModcliLM(TemplateLM):
         """A modcli run as an lm-eval model: `lm_eval --model modcli --model_args path=RUN[,routing=MODE]
-        [,dtype=bfloat16]` (through `python -m modcli.evaluation.harness`), or ModcliLM(path=RUN) in Python."""
+        [,dtype=bfloat16][,packed_linears=False]` (through `python -m modcli.evaluation.harness`), or
+        ModcliLM(path=RUN) in Python."""
 
         def __init__(self, path: str, routing: str | None = None, device: str | None = None, dtype: str = "float32",
                      batch_size: int | str | None = 8, max_gen_toks: int | str = DEFAULT_MAX_GEN_TOKS,
-                     prefix_token_id: int | str | None = None, **unused: Any) -> None:
+                     prefix_token_id: int | str | None = None, packed_linears: bool | str = True,
+                     **unused: Any) -> None:
             super().__init__()
             require(str(batch_size or 8).isdigit() and int(batch_size or 8) >= 1,
                     f"batch_size must be a whole number >= 1 for modcli runs, got {batch_size!r}")
             require(dtype in TORCH_DTYPES, f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+            packed = str(packed_linears).lower()  # lm-eval's --model_args give strings
+            require(packed in ("true", "false"), f"packed_linears must be True or False, got {packed_linears!r}")
             self._device = resolve_device(device or "auto")
             self.model, self.run_tokenizer, self.routing, self.checkpoint = load_run(path, routing, self._device)
             self.dtype, self.batch_size, self.max_gen_toks = dtype, int(batch_size or 8), int(max_gen_toks)
             self.max_length = self.model.config.seq_len
             self._prefix = int(prefix_token_id) if prefix_token_id is not None else prefix_token(self.run_tokenizer)
+            self.linears = inference_linears(self.model, self._device, dtype, packed == "true")
 
         @property
         def eot_token_id(self) -> int:
@@ -287,9 +302,10 @@ def lm_eval_model() -> type:
             return encode(self.run_tokenizer, string)
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any):
-            scores = score_continuations(self.model, self.routing, [(context, continuation)
-                                                                    for _, context, continuation in requests],
-                                         self.max_length, self.batch_size, self._device, self.dtype)
+            with self.linears:
+                scores = score_continuations(self.model, self.routing, [(context, continuation)
+                                                                        for _, context, continuation in requests],
+                                             self.max_length, self.batch_size, self._device, self.dtype)
             for (request, _, _), score in zip(requests, scores, strict=True):
                 if request is not None:
                     self.cache_hook.add_partial("loglikelihood", request, score)
@@ -303,8 +319,9 @@ def lm_eval_model() -> type:
                         context_len=1)):
                     windows.append(window)
                     owners.append(index)
-            scores = score_continuations(self.model, self.routing, windows, self.max_length, self.batch_size,
-                                         self._device, self.dtype)
+            with self.linears:
+                scores = score_continuations(self.model, self.routing, windows, self.max_length, self.batch_size,
+                                             self._device, self.dtype)
             totals = [0.0] * len(requests)
             for owner, (logprob, _) in zip(owners, scores, strict=True):
                 totals[owner] += logprob
@@ -333,7 +350,8 @@ def lm_eval_model() -> type:
                 for start in range(0, len(order), self.batch_size):
                     batch = order[start:start + self.batch_size]
                     outputs = generate_greedy(self.model, self.routing, [prompts[i] for i in batch], max_new,
-                                              self._device, self.dtype, holds_stop(self.run_tokenizer, until))
+                                              self._device, self.dtype, holds_stop(self.run_tokenizer, until),
+                                              self.linears)
                     for i, tokens in zip(batch, outputs, strict=True):
                         results[i] = cut_at_stop(self.run_tokenizer.decode(tokens), until)
                         self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
@@ -341,7 +359,7 @@ def lm_eval_model() -> type:
 
         def get_model_info(self) -> dict[str, Any]:
             return {"model_checkpoint": str(self.checkpoint), "routing": self.routing, "kind": self.model.config.kind,
-                    "seq_len": self.max_length}
+                    "seq_len": self.max_length, "linear_kernel": self.linears.kernel}
 
     return ModcliLM
 
@@ -381,7 +399,7 @@ def evaluate_tasks(config: HarnessConfig) -> HarnessResult:
     from lm_eval.evaluator import simple_evaluate
 
     model = lm_eval_model()(path=config.checkpoint, routing=config.routing, device=config.device, dtype=config.dtype,
-                            batch_size=config.batch_size)
+                            batch_size=config.batch_size, packed_linears=config.packed_linears)
     manager = find_tasks(config.tasks, config.include_path)
     try:
         output = simple_evaluate(model=model, tasks=config.tasks,
@@ -393,7 +411,7 @@ def evaluate_tasks(config: HarnessConfig) -> HarnessResult:
     checkpoint = model.checkpoint
     step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
     return HarnessResult(str(checkpoint), step, model.model.config.kind, model.routing, lm_eval.__version__,
-                         config.limit, task_results(output))
+                         config.limit, task_results(output), model.linears.kernel)
 
 
 def task_results(output: dict[str, Any]) -> list[TaskResult]:

@@ -8,6 +8,7 @@ honest ones. Each mode is listed with `causal: true|false`, from the router's ca
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,8 @@ class EvalResult:
     exit_losses: dict[str, float] = field(default_factory=dict)
     """Early-exit models: the loss (nats/token) of the exit after each block, through the shared final norm and head,
     on the same windows (causal; the last block's is the model's loss)."""
+    linear_kernel: str = "aten"
+    """What nn.Linear ran with: onednn-packed (CPU float32, `modcli.packed_linear`) or aten (PyTorch's default)."""
 
 
 @torch.no_grad()
@@ -97,8 +100,9 @@ def evaluate(config: EvalConfig) -> EvalResult:
         modes = ["dense"]
     else:
         modes = list(config.routing) or list(model.routing_modes())
-    with inference_linears(model, device, config.dtype, config.packed_linears):
-        return _evaluate(config, model, run_config, checkpoint, corpus, modes, device)
+    with inference_linears(model, device, config.dtype, config.packed_linears) as linears:
+        result = _evaluate(config, model, run_config, checkpoint, corpus, modes, device)
+    return dataclasses.replace(result, linear_kernel=linears.kernel)
 
 
 def _evaluate(config: EvalConfig, model: MoDDecoder, run_config, checkpoint: Path, corpus, modes: list[str],

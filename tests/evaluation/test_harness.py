@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from modcli.checkpoint.store import load_model_from, save_checkpoint
 from modcli.cli import app
 from modcli.config import ModelConfig
-from tests.conftest import tiny_model_config, tiny_run_config
+from tests.conftest import packed_products, tiny_model_config, tiny_run_config
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                    reason="lm-eval is not installed (pip install 'modcli[eval]')")
@@ -241,6 +241,25 @@ def test_the_model_is_registered_with_lm_eval_and_its_command_line(learned_run):
 
 
 @needs_lm_eval
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN")
+def test_every_request_kind_runs_the_packed_kernel_it_reports_and_scores_as_aten(learned_run, monkeypatch):
+    """Loglikelihood (choice), rolling loglikelihood (text) and greedy generation each go through oneDNN's packed
+    linear by default (every product packed here: the tiny run's are too small to pay) and give aten's scores."""
+    count = packed_products(monkeypatch)
+    for task in ("modcli_tiny_choice", "modcli_tiny_text", "modcli_tiny_generation"):
+        before = count[0]
+        packed, packed_output = eval_tasks(learned_run, task, "--batch-size", "4", "--limit", "6")
+        assert packed_output["linear_kernel"] == "onednn-packed" and count[0] > before, task
+        after = count[0]
+        aten, aten_output = eval_tasks(learned_run, task, "--batch-size", "4", "--limit", "6", "--no-packed-linears")
+        assert aten_output["linear_kernel"] == "aten" and count[0] == after, task
+        metrics = packed[task]["metrics"]
+        assert metrics.keys() == aten[task]["metrics"].keys()
+        for name, value in aten[task]["metrics"].items():  # rounding only: no choice, token or stop flips
+            assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), (task, name)
+
+
+@needs_lm_eval
 def test_sampling_and_oversized_requests_are_refused(learned_run):
     from lm_eval.api.instance import Instance
 
@@ -255,6 +274,8 @@ def test_sampling_and_oversized_requests_are_refused(learned_run):
         lm.generate_until([Instance("generate_until", {}, ("def ", {"max_gen_toks": 32}), 0)])
     with pytest.raises(UserError, match="does not fit the model's window of 32 tokens"):
         lm.loglikelihood([Instance("loglikelihood", {}, ("def", " x" * 20), 0)])
+    with pytest.raises(UserError, match="packed_linears must be True or False, got 'maybe'"):
+        lm_eval_model()(path=str(learned_run), device="cpu", packed_linears="maybe")
 
 
 @needs_lm_eval
@@ -266,8 +287,6 @@ def test_bad_input_is_one_line_and_exit_2(learned_run, tmp_path):
          "one causal --routing mode"),
         (["--tasks", "modcli_tiny_choice", "--include-path", str(tmp_path / "nowhere")], "no such folder"),
         (["--tasks", "modcli_tiny_choice", "--batches", "2", *include], "--batches applies to the perplexity"),
-        (["--tasks", "modcli_tiny_choice", "--no-packed-linears", *include],
-         "--packed-linears/--no-packed-linears applies to the perplexity"),
         (["--tasks", "", *include], "name at least one task"),
         (["--tasks", "modcli_tiny_choice", "--limit", "0", *include], "--limit must be >= 1"),
         (["--num-fewshot", "2"], "--num-fewshot applies to lm-evaluation-harness tasks"),

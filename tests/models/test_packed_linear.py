@@ -16,7 +16,7 @@ from modcli.cli import app
 from modcli.models.build import build_model
 from modcli.models.cache import DecoderCache
 from modcli.packed_linear import PackedLinears, inference_linears, linear_kernel, pays
-from tests.conftest import tiny_model_config
+from tests.conftest import packed_products, tiny_model_config
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this PyTorch build has no oneDNN")
 ATOL, RTOL = 1e-5, 1e-5
@@ -191,20 +191,6 @@ def test_generate_reports_its_linear_kernel_and_decodes_the_same_text(trained_ru
     assert (count[0] > 0) == (kernel == "onednn-packed")
 
 
-def packed_products(monkeypatch) -> list[int]:
-    """Pack every product (the tiny run's weights are small) and count the products the packed kernel computes."""
-    monkeypatch.setattr(packed_linear, "min_rows", lambda elements: 1)
-    count = [0]
-    packed = torch.ops.mkldnn._linear_pointwise
-
-    def counted(*args):
-        count[0] += 1
-        return packed(*args)
-
-    monkeypatch.setattr(packed_linear, "_packed_product", counted)
-    return count
-
-
 @pytest.mark.parametrize("flag", [[], ["--no-packed-linears"]])
 def test_profile_times_its_eager_calls_with_the_kernel_it_reports(flag, monkeypatch):
     count = packed_products(monkeypatch)
@@ -221,6 +207,7 @@ def test_eval_losses_equal_with_and_without_the_packed_kernel(trained_run, monke
     count = packed_products(monkeypatch)
     args = ["eval", str(trained_run), "--batches", "2", "--batch-size", "2", "--device", "cpu", "--json"]
     packed, aten = (json.loads(runner.invoke(app, [*args, *flag]).stdout) for flag in ([], ["--no-packed-linears"]))
+    assert (packed["linear_kernel"], aten["linear_kernel"]) == ("onednn-packed", "aten")
     for a, b in zip(packed["results"], aten["results"], strict=True):
         assert a["routing"] == b["routing"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert count[0] > 0  # and the first run's products did go through the packed kernel
