@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, help="a modcli run or checkpoint folder")
-    parser.add_argument("--docs", type=int, default=16)
+    parser.add_argument("--docs", type=int, default=12, help="questions (the fixture has 12)")
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)

@@ -17,9 +17,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from modcli import packed_linear
 from modcli.checkpoint.store import load_model_from, save_checkpoint
 from modcli.cli import app
 from modcli.config import ModelConfig
+from modcli.models.decoder import MoDDecoder
 from tests.conftest import packed_products, tiny_model_config, tiny_run_config
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
@@ -241,15 +243,29 @@ def test_the_model_is_registered_with_lm_eval_and_its_command_line(learned_run):
 
 
 @needs_lm_eval
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN")
+@pytest.mark.skipif(not packed_linear.available(), reason="this PyTorch build has no oneDNN packed linear")
 def test_every_request_kind_runs_the_packed_kernel_it_reports_and_scores_as_aten(learned_run, monkeypatch):
-    """Loglikelihood (choice), rolling loglikelihood (text) and greedy generation each go through oneDNN's packed
-    linear by default (every product packed here: the tiny run's are too small to pay) and give aten's scores."""
+    """Loglikelihood (choice), rolling loglikelihood (text) and greedy generation (its prefill and every decode step)
+    each go through oneDNN's packed linear by default (every product packed here: the tiny run's are too small to
+    pay) and give aten's scores; --no-packed-linears computes no packed product."""
     count = packed_products(monkeypatch)
+    step_products: list[int] = []  # packed products per decode step
+    decode_step = MoDDecoder.decode_step
+
+    def counted_step(self, *args, **kwargs):
+        before = count[0]
+        logits = decode_step(self, *args, **kwargs)
+        step_products.append(count[0] - before)
+        return logits
+
+    monkeypatch.setattr(MoDDecoder, "decode_step", counted_step)
     for task in ("modcli_tiny_choice", "modcli_tiny_text", "modcli_tiny_generation"):
         before = count[0]
+        step_products.clear()
         packed, packed_output = eval_tasks(learned_run, task, "--batch-size", "4", "--limit", "6")
         assert packed_output["linear_kernel"] == "onednn-packed" and count[0] > before, task
+        if task == "modcli_tiny_generation":
+            assert step_products and min(step_products) > 0  # the decode steps too, not only the prefill
         after = count[0]
         aten, aten_output = eval_tasks(learned_run, task, "--batch-size", "4", "--limit", "6", "--no-packed-linears")
         assert aten_output["linear_kernel"] == "aten" and count[0] == after, task
@@ -274,8 +290,13 @@ def test_sampling_and_oversized_requests_are_refused(learned_run):
         lm.generate_until([Instance("generate_until", {}, ("def ", {"max_gen_toks": 32}), 0)])
     with pytest.raises(UserError, match="does not fit the model's window of 32 tokens"):
         lm.loglikelihood([Instance("loglikelihood", {}, ("def", " x" * 20), 0)])
+    assert not [module for module in lm.linears.linears if "forward" in module.__dict__]  # restored after the error
     with pytest.raises(UserError, match="packed_linears must be True or False, got 'maybe'"):
         lm_eval_model()(path=str(learned_run), device="cpu", packed_linears="maybe")
+    if packed_linear.available():  # --model_args give strings, Python callers booleans
+        for given, kernel in (("False", "aten"), (False, "aten"), ("true", "onednn-packed"), (True, "onednn-packed")):
+            assert lm_eval_model()(path=str(learned_run), device="cpu", packed_linears=given).linears.kernel == kernel
+    assert lm_eval_model()(path=str(learned_run), device="cpu", dtype="bfloat16").linears.kernel == "aten"
 
 
 @needs_lm_eval

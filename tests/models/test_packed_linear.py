@@ -206,7 +206,10 @@ def test_profile_times_its_eager_calls_with_the_kernel_it_reports(flag, monkeypa
 def test_eval_losses_equal_with_and_without_the_packed_kernel(trained_run, monkeypatch):
     count = packed_products(monkeypatch)
     args = ["eval", str(trained_run), "--batches", "2", "--batch-size", "2", "--device", "cpu", "--json"]
-    packed, aten = (json.loads(runner.invoke(app, [*args, *flag]).stdout) for flag in ([], ["--no-packed-linears"]))
+    packed = json.loads(runner.invoke(app, args).stdout)
+    products = count[0]
+    aten = json.loads(runner.invoke(app, [*args, "--no-packed-linears"]).stdout)
+    assert count[0] == products  # none in the second run
     assert (packed["linear_kernel"], aten["linear_kernel"]) == ("onednn-packed", "aten")
     for a, b in zip(packed["results"], aten["results"], strict=True):
         assert a["routing"] == b["routing"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
