@@ -16,10 +16,10 @@ missing from the PyTorch build. It also takes nn.Linear's forward where the pack
 costs ~10 us more than MKL's, so small products stay on MKL (`min_rows`).
 
 Results differ from MKL's by rounding only (another summation order: logits within ~4e-6 relative on the small
-preset and SmolLM2-135M). Memory: a second copy of every
-weight that was packed, held as long as the `PackedLinears` object lives. The instance-level forward is set on entry
-and removed on exit, so a model compiled, exported or copied outside the `with` never sees it; do not compile,
-export, deepcopy or pickle the model inside it (a copy would keep a forward bound to the original's weights).
+preset and SmolLM2-135M). Memory: a second copy of every weight that was packed, held as long as the
+`PackedLinears` object lives. The instance-level forward is set on entry and removed on exit, so a model compiled,
+exported or copied outside the `with` never sees it; do not compile, export, deepcopy or pickle the model inside it
+(a copy would keep a forward bound to the original's weights).
 """
 
 from __future__ import annotations
@@ -73,13 +73,14 @@ class PackedLinears:
     `with .up_to(rows)` (those that can pay at that many rows); re-entrant and reusable."""
 
     def __init__(self, model: nn.Module, enabled: bool = True):
-        # nn.Linear itself: a subclass with a forward of its own (an adapter, a quantised layer) keeps it
-        self.linears = [module for module in model.modules()
-                        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward]
+        self.enabled = enabled and available()
+        # nn.Linear itself: a subclass with a forward of its own (an adapter, a quantised layer) keeps it; disabled,
+        # none (entering changes nothing, and building one costs nothing)
+        self.linears = [module for module in model.modules() if isinstance(module, nn.Linear)
+                        and type(module).forward is nn.Linear.forward] if self.enabled else []
         # id(module) -> (weight, its version, its storage's address, packed copy)
         self._packed: dict[int, tuple[Tensor, int, int, Tensor]] = {}
         self._entered: list[contextlib.AbstractContextManager] = []
-        self.enabled = enabled and available()
 
     @property
     def kernel(self) -> str:
@@ -121,8 +122,8 @@ class PackedLinears:
         """Inside: the packed forward on each nn.Linear for which a product of at most `max_rows` input rows can
         pay (`min_rows`; None: every nn.Linear). A caller that knows its products are small (a decode step of B
         rows: `up_to(B)`) thereby leaves the others on nn.Linear's own forward, with no check per call."""
-        chosen = [module for module in self.linears if self.enabled
-                  and (max_rows is None or min_rows(module.weight.numel()) <= max_rows)]
+        chosen = [module for module in self.linears
+                  if max_rows is None or min_rows(module.weight.numel()) <= max_rows]
         outer = [module.__dict__.get("forward") for module in chosen]  # an enclosing `with`'s, restored on exit
         try:
             for module in chosen:
