@@ -1,10 +1,12 @@
-"""Device, dtype and seeding: the flags --device, --dtype and --seed, resolved once."""
+"""Device, dtype and seeding: the flags --device, --dtype and --seed, resolved once; the CPU's vendor and allocator."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+import platform
 import random
 
 import numpy as np
@@ -61,6 +63,26 @@ def device_name(device: torch.device) -> str:
     if device.type == "cpu":
         return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     return device.type
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This machine's CPU vendor (`vendor_of` Linux's /proc/cpuinfo, or of `platform.processor()` without it)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
+            cpuinfo = file.read()
+    except OSError:
+        cpuinfo = None
+    return vendor_of(cpuinfo, platform.processor())
+
+
+def vendor_of(cpuinfo: str | None, processor: str) -> str:
+    """The CPU's vendor string (GenuineIntel, AuthenticAMD, ...; "" where neither says): the vendor_id line of
+    /proc/cpuinfo's text, else one named in `processor` (Windows names the vendor there)."""
+    for line in (cpuinfo or "").splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return next((vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in processor), "")
 
 
 ALLOCATOR_NOTE = ""

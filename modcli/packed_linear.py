@@ -1,9 +1,12 @@
-"""CPU inference through oneDNN's prepacked linear kernel: the same products as nn.Linear, about 2x faster.
+"""CPU inference through oneDNN's prepacked linear kernel: the same products as nn.Linear, about 2x faster on AMD.
 
-On a CPU, PyTorch runs a float32 nn.Linear through its BLAS (MKL in the x86 wheels). On this project's 2-core AMD
-EPYC (Zen 5) MKL stays on a narrow code path: (256 x 256) @ (256 x 1408) runs at ~175 GFLOP/s. oneDNN, which
-PyTorch also ships and which torch.compile's CPU "freezing" path calls, runs the same product at ~420 GFLOP/s from a
-weight reordered once into its blocked layout (`bench/cpu_linear_kernels.py` measures both per shape).
+On a CPU, PyTorch runs a float32 nn.Linear through its BLAS (MKL in the x86 wheels). MKL runs its tuned code on
+Intel CPUs only: on this project's 2-core AMD EPYC (Zen 5) it stays on a narrow code path ((256 x 256) @ (256 x 1408)
+at ~175 GFLOP/s), while oneDNN, which PyTorch also ships and which torch.compile's CPU "freezing" path calls, runs the
+same product at ~400 GFLOP/s from a weight reordered once into its blocked layout. On a 2-core Intel Xeon (AVX-512,
+AMX) MKL is as fast as oneDNN from 32 rows up and 2-4x faster at 1-2 rows (`bench/cpu_linear_kernels.py` measures
+both per shape; bench/results/speed/cpu_linear_kernels*.txt). So the packed kernel is the default where it was
+measured to pay, AMD x86-64 CPUs (`packed_by_default`), and a choice elsewhere (--packed-linears).
 `PackedLinears` gives eager inference that kernel: inside `with PackedLinears(model):`, each nn.Linear of the model
 computes `torch.ops.mkldnn._linear_pointwise` on its weight's packed copy. The copy is made on first use and made
 again when the weight changed: its version counter moved (an optimizer step, `load_state_dict`, any in-place op),
@@ -30,6 +33,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from modcli.hardware import cpu_vendor
 
 SMALL_WEIGHT = 1 << 17
 """Weights below this many elements stay on MKL unless the product has >= LARGE_PRODUCT multiply-adds."""
@@ -145,12 +150,23 @@ class PackedLinears:
         self._entered.pop().__exit__(*exc)
 
 
-def linear_kernel(device: torch.device, dtype: str, enabled: bool) -> str:
-    """What eager inference on `device` in `dtype` runs nn.Linear with: onednn-packed or aten."""
-    return "onednn-packed" if enabled and device.type == "cpu" and dtype == "float32" and available() else "aten"
+def packed_by_default() -> bool:
+    """Whether CPU inference takes the packed kernel when not told (--packed-linears unset): on AMD CPUs, where MKL
+    leaves its tuned code (bench/results/speed/cpu_linear_kernels.txt, Zen 5: the small preset's forward 1.40x
+    (MoD) and 1.54x (dense) faster, SmolLM2-135M's 2.04x, its decode step 1.76x). Not on Intel, where MKL is tuned
+    (cpu_linear_kernels-intel.txt, a Xeon with AVX-512: the small preset's forward 0.85-0.90x, SmolLM2-135M's
+    forward 1.03x and its decode step 0.83x), nor on CPUs nobody measured."""
+    return cpu_vendor() == "AuthenticAMD"
 
 
-def inference_linears(model: nn.Module, device: torch.device, dtype: str, enabled: bool) -> PackedLinears:
-    """The `PackedLinears` of `model` for inference on `device` in `dtype`: enabled when asked (`enabled`) and it
-    applies (float32 on the CPU, oneDNN present); disabled, entering it changes nothing."""
+def linear_kernel(device: torch.device, dtype: str, enabled: bool | None) -> str:
+    """What eager inference on `device` in `dtype` runs nn.Linear with: onednn-packed or aten. `enabled`: asked
+    (True), refused (False) or the CPU's default (None: `packed_by_default`)."""
+    wanted = packed_by_default() if enabled is None else enabled
+    return "onednn-packed" if wanted and device.type == "cpu" and dtype == "float32" and available() else "aten"
+
+
+def inference_linears(model: nn.Module, device: torch.device, dtype: str, enabled: bool | None) -> PackedLinears:
+    """The `PackedLinears` of `model` for inference on `device` in `dtype`: enabled when asked (`enabled`; None: the
+    CPU's default) and it applies (float32 on the CPU, oneDNN present); disabled, entering it changes nothing."""
     return PackedLinears(model, linear_kernel(device, dtype, enabled) == "onednn-packed")

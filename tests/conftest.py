@@ -79,6 +79,13 @@ def trained_dense_run(tmp_path_factory, corpus_file) -> Path:
     return out
 
 
+def on_cpu_of(monkeypatch, vendor: str) -> None:
+    """Make `modcli.packed_linear` see a CPU of `vendor` (AuthenticAMD: the packed kernel is the default)."""
+    from modcli import packed_linear
+
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: vendor)
+
+
 def packed_products(monkeypatch) -> list[int]:
     """Pack every product (a tiny run's weights are too small to pay: `modcli.packed_linear.min_rows`) and count
     the products the packed kernel computes (count[0])."""

@@ -51,9 +51,9 @@ class GenerateConfig:
     compile: bool = False
     """torch.compile the causal prefill and a static-shape decode step (preallocated KV cache, the skip of a routed
     block in torch.cond; a CUDA graph on CUDA); the compile time is reported apart."""
-    packed_linears: bool = True
+    packed_linears: bool | None = None
     """Eager decoding on the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`);
-    False = PyTorch's default BLAS."""
+    False = PyTorch's default BLAS; None = the CPU's default (`packed_linear.packed_by_default`: AMD)."""
     exit_threshold: float | None = None
     """Early-exit models: each new token leaves the blocks at the first exit whose top probability reaches this
     (modcli.models.early_exit; 1.0 = the full model); None = full depth."""
@@ -210,7 +210,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
         uniforms = uniforms.to(device)
     new_tokens = torch.empty(config.max_new_tokens, batch, dtype=torch.long, device=device)  # (N, B)
 
-    linears = inference_linears(model, device, config.dtype, config.packed_linears and static is None)
+    linears = inference_linears(model, device, config.dtype, config.packed_linears if static is None else False)
     return _decode(config, model, tokenizer, routing, prompts, cache, static, uniforms, new_tokens, on_bytes,
                    stats if exits else None, device, linears)
 

@@ -80,9 +80,9 @@ class HarnessConfig:
     """auto, cpu, cuda or mps."""
     dtype: str = "float32"
     """Autocast dtype."""
-    packed_linears: bool = True
+    packed_linears: bool | None = None
     """On the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's
-    default BLAS."""
+    default BLAS; None = the CPU's default (`packed_linear.packed_by_default`: AMD)."""
 
     def __post_init__(self) -> None:
         require(bool(self.tasks) and all(task.strip() for task in self.tasks),
@@ -270,25 +270,27 @@ def lm_eval_model() -> type:
     @register_model("modcli")
     class ModcliLM(TemplateLM):
         """A modcli run as an lm-eval model: `lm_eval --model modcli --model_args path=RUN[,routing=MODE]
-        [,dtype=bfloat16][,packed_linears=False]` (through `python -m modcli.evaluation.harness`), or
+        [,dtype=bfloat16][,packed_linears=True|False|auto]` (through `python -m modcli.evaluation.harness`), or
         ModcliLM(path=RUN) in Python."""
 
         def __init__(self, path: str, routing: str | None = None, device: str | None = None, dtype: str = "float32",
                      batch_size: int | str | None = 8, max_gen_toks: int | str = DEFAULT_MAX_GEN_TOKS,
-                     prefix_token_id: int | str | None = None, packed_linears: bool | str = True,
+                     prefix_token_id: int | str | None = None, packed_linears: bool | str | None = None,
                      **unused: Any) -> None:
             super().__init__()
             require(str(batch_size or 8).isdigit() and int(batch_size or 8) >= 1,
                     f"batch_size must be a whole number >= 1 for modcli runs, got {batch_size!r}")
             require(dtype in TORCH_DTYPES, f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-            packed = str(packed_linears).lower()  # lm-eval's --model_args give strings
-            require(packed in ("true", "false"), f"packed_linears must be True or False, got {packed_linears!r}")
+            # lm-eval's --model_args give strings; None or auto: the CPU's default (packed_linear.packed_by_default)
+            packed = "auto" if packed_linears is None else str(packed_linears).lower()
+            require(packed in ("true", "false", "auto"),
+                    f"packed_linears must be True, False or auto, got {packed_linears!r}")
             self._device = resolve_device(device or "auto")
             self.model, self.run_tokenizer, self.routing, self.checkpoint = load_run(path, routing, self._device)
             self.dtype, self.batch_size, self.max_gen_toks = dtype, int(batch_size or 8), int(max_gen_toks)
             self.max_length = self.model.config.seq_len
             self._prefix = int(prefix_token_id) if prefix_token_id is not None else prefix_token(self.run_tokenizer)
-            self.linears = inference_linears(self.model, self._device, dtype, packed == "true")
+            self.linears = inference_linears(self.model, self._device, dtype, {"true": True, "false": False}.get(packed))
 
         @property
         def eot_token_id(self) -> int:

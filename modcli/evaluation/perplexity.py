@@ -45,9 +45,9 @@ class EvalConfig:
     """auto, cpu, cuda or mps."""
     dtype: str = "float32"
     """Autocast dtype."""
-    packed_linears: bool = True
+    packed_linears: bool | None = None
     """On the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's
-    default BLAS."""
+    default BLAS; None = the CPU's default (`packed_linear.packed_by_default`: AMD)."""
 
     def __post_init__(self) -> None:
         require(self.batches >= 1, f"--batches must be >= 1, got {self.batches}")

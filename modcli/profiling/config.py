@@ -47,9 +47,10 @@ class ProfileConfig:
     through the PyTorch-free runtime: forward and decode step)."""
     compile: bool = False
     """Same as adding compiled to `backends` (the --compile flag)."""
-    packed_linears: bool = True
+    packed_linears: bool | None = None
     """Eager inference on the CPU in float32 (forward, causal prefill, decode step; both models): nn.Linear through
-    oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's default BLAS. Training steps never."""
+    oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's default BLAS; None = the CPU's default
+    (`packed_linear.packed_by_default`: AMD). Training steps never."""
     memory: bool = True
     """Measure peak memory in a fresh child process per measurement (a few seconds each)."""
     seed: int = 1337

@@ -22,7 +22,7 @@ from modcli.checkpoint.store import load_model_from, save_checkpoint
 from modcli.cli import app
 from modcli.config import ModelConfig
 from modcli.models.decoder import MoDDecoder
-from tests.conftest import packed_products, tiny_model_config, tiny_run_config
+from tests.conftest import on_cpu_of, packed_products, tiny_model_config, tiny_run_config
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                    reason="lm-eval is not installed (pip install 'modcli[eval]')")
@@ -246,8 +246,9 @@ def test_the_model_is_registered_with_lm_eval_and_its_command_line(learned_run):
 @pytest.mark.skipif(not packed_linear.available(), reason="this PyTorch build has no oneDNN packed linear")
 def test_every_request_kind_runs_the_packed_kernel_it_reports_and_scores_as_aten(learned_run, monkeypatch):
     """Loglikelihood (choice), rolling loglikelihood (text) and greedy generation (its prefill and every decode step)
-    each go through oneDNN's packed linear by default (every product packed here: the tiny run's are too small to
-    pay) and give aten's scores; --no-packed-linears computes no packed product."""
+    each go through oneDNN's packed linear by default on an AMD CPU (every product packed here: the tiny run's are
+    too small to pay) and give aten's scores; --no-packed-linears computes no packed product."""
+    on_cpu_of(monkeypatch, "AuthenticAMD")
     count = packed_products(monkeypatch)
     step_products: list[int] = []  # packed products per decode step
     decode_step = MoDDecoder.decode_step
@@ -276,7 +277,7 @@ def test_every_request_kind_runs_the_packed_kernel_it_reports_and_scores_as_aten
 
 
 @needs_lm_eval
-def test_sampling_and_oversized_requests_are_refused(learned_run):
+def test_sampling_and_oversized_requests_are_refused(learned_run, monkeypatch):
     from lm_eval.api.instance import Instance
 
     from modcli.errors import UserError
@@ -291,11 +292,16 @@ def test_sampling_and_oversized_requests_are_refused(learned_run):
     with pytest.raises(UserError, match="does not fit the model's window of 32 tokens"):
         lm.loglikelihood([Instance("loglikelihood", {}, ("def", " x" * 20), 0)])
     assert not [module for module in lm.linears.linears if "forward" in module.__dict__]  # restored after the error
-    with pytest.raises(UserError, match="packed_linears must be True or False, got 'maybe'"):
+    with pytest.raises(UserError, match="packed_linears must be True, False or auto, got 'maybe'"):
         lm_eval_model()(path=str(learned_run), device="cpu", packed_linears="maybe")
-    if packed_linear.available():  # --model_args give strings, Python callers booleans
-        for given, kernel in (("False", "aten"), (False, "aten"), ("true", "onednn-packed"), (True, "onednn-packed")):
+    if packed_linear.available():  # --model_args give strings, Python callers booleans; unset or auto: by CPU
+        on_cpu_of(monkeypatch, "GenuineIntel")
+        for given, kernel in (("False", "aten"), (False, "aten"), ("true", "onednn-packed"), (True, "onednn-packed"),
+                              ("auto", "aten"), (None, "aten")):
             assert lm_eval_model()(path=str(learned_run), device="cpu", packed_linears=given).linears.kernel == kernel
+        on_cpu_of(monkeypatch, "AuthenticAMD")
+        assert lm_eval_model()(path=str(learned_run), device="cpu", packed_linears="auto").linears.kernel == (
+            "onednn-packed")
     assert lm_eval_model()(path=str(learned_run), device="cpu", dtype="bfloat16").linears.kernel == "aten"
 
 

@@ -16,7 +16,7 @@ from modcli.cli import app
 from modcli.models.build import build_model
 from modcli.models.cache import DecoderCache
 from modcli.packed_linear import PackedLinears, inference_linears, linear_kernel, pays
-from tests.conftest import packed_products, tiny_model_config
+from tests.conftest import on_cpu_of, packed_products, tiny_model_config
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this PyTorch build has no oneDNN")
 ATOL, RTOL = 1e-5, 1e-5
@@ -177,8 +177,34 @@ def test_it_applies_to_float32_on_the_cpu_only(monkeypatch):
     assert_disabled(inference_linears(model, cpu, "float32", True))
 
 
-@pytest.mark.parametrize("flag, kernel", [([], "onednn-packed"), (["--no-packed-linears"], "aten")])
-def test_generate_reports_its_linear_kernel_and_decodes_the_same_text(trained_run, flag, kernel, monkeypatch):
+def test_unasked_it_is_on_for_amd_cpus_only(monkeypatch):
+    """None (no --packed-linears flag): the packed kernel on AMD CPUs, where MKL is slow, and aten elsewhere."""
+    cpu = torch.device("cpu")
+    for vendor, kernel in (("AuthenticAMD", "onednn-packed"), ("GenuineIntel", "aten"), ("", "aten")):
+        on_cpu_of(monkeypatch, vendor)
+        assert linear_kernel(cpu, "float32", None) == kernel, vendor
+        assert linear_kernel(cpu, "float32", True) == "onednn-packed"  # asked: on any CPU
+        assert linear_kernel(cpu, "float32", False) == "aten"
+    on_cpu_of(monkeypatch, "AuthenticAMD")
+    assert linear_kernel(torch.device("cuda"), "float32", None) == linear_kernel(cpu, "bfloat16", None) == "aten"
+
+
+def test_the_cpu_vendor_is_read_from_cpuinfo_or_the_platform():
+    from modcli.hardware import cpu_vendor, vendor_of
+
+    assert vendor_of("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n", "x86_64") == "AuthenticAMD"
+    assert vendor_of("processor\t: 0\nvendor_id\t: GenuineIntel\n", "") == "GenuineIntel"
+    assert vendor_of(None, "AMD64 Family 25 Model 33 Stepping 0, AuthenticAMD") == "AuthenticAMD"  # Windows
+    assert vendor_of(None, "arm") == vendor_of("processor\t: 0\nBogoMIPS\t: 50.00\n", "") == ""  # none named
+    assert isinstance(cpu_vendor(), str)
+
+
+@pytest.mark.parametrize("flag, vendor, kernel", [
+    ([], "AuthenticAMD", "onednn-packed"), ([], "GenuineIntel", "aten"), (["--packed-linears"], "GenuineIntel",
+                                                                         "onednn-packed"),
+    (["--no-packed-linears"], "AuthenticAMD", "aten")])
+def test_generate_reports_its_linear_kernel_and_decodes_the_same_text(trained_run, flag, vendor, kernel, monkeypatch):
+    on_cpu_of(monkeypatch, vendor)
     count = packed_products(monkeypatch)
     args = ["generate", str(trained_run), "--prompt", "def f", "--max-new-tokens", "12", "--temperature", "0",
             "--device", "cpu", "--json"]
@@ -193,6 +219,7 @@ def test_generate_reports_its_linear_kernel_and_decodes_the_same_text(trained_ru
 
 @pytest.mark.parametrize("flag", [[], ["--no-packed-linears"]])
 def test_profile_times_its_eager_calls_with_the_kernel_it_reports(flag, monkeypatch):
+    on_cpu_of(monkeypatch, "AuthenticAMD")
     count = packed_products(monkeypatch)
     result = runner.invoke(app, ["profile", "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
                                  "--batch-size", "1", "--seq-len", "16", "--repeats", "1", "--warmup", "0",
@@ -204,6 +231,7 @@ def test_profile_times_its_eager_calls_with_the_kernel_it_reports(flag, monkeypa
 
 
 def test_eval_losses_equal_with_and_without_the_packed_kernel(trained_run, monkeypatch):
+    on_cpu_of(monkeypatch, "AuthenticAMD")
     count = packed_products(monkeypatch)
     args = ["eval", str(trained_run), "--batches", "2", "--batch-size", "2", "--device", "cpu", "--json"]
     packed = json.loads(runner.invoke(app, args).stdout)

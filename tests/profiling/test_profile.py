@@ -49,7 +49,7 @@ def test_json_holds_every_field():
     payload = json.loads(result.stdout)  # exactly one JSON object on stdout; progress went to stderr
     assert "forward" in result.stderr
     assert payload["device"] == "cpu" and payload["device_name"].startswith("CPU")
-    assert payload["linear_kernel"] == ("onednn-packed" if packed_linear.available() else "aten")
+    assert payload["linear_kernel"] == packed_linear.linear_kernel(torch.device("cpu"), "float32", None)
     assert payload["model"]["routed_layers"] == [1, 3] and payload["baseline"]["dense"]
     assert payload["model"]["routers_calibrated"]
     (row,) = payload["results"]
