@@ -4,7 +4,7 @@ On a CPU, PyTorch runs a float32 nn.Linear through its BLAS (MKL in the x86 whee
 Intel CPUs only: on this project's 2-core AMD EPYC (Zen 5) it stays on a narrow code path ((256 x 256) @ (256 x 1408)
 at ~175 GFLOP/s), while oneDNN, which PyTorch also ships and which torch.compile's CPU "freezing" path calls, runs the
 same product at ~400 GFLOP/s from a weight reordered once into its blocked layout. On a 2-core Intel Xeon (AVX-512,
-AMX) MKL is as fast as oneDNN from 32 rows up and 2-4x faster at 1-2 rows (`bench/cpu_linear_kernels.py` measures
+AMX) MKL time / packed time is 0.71-1.48 from 32 rows up and down to 0.24 at 1-2 rows (`bench/cpu_linear_kernels.py` measures
 both per shape; bench/results/speed/cpu_linear_kernels*.txt). So the packed kernel is the default where it was
 measured to pay, AMD x86-64 CPUs (`packed_by_default`), and a choice elsewhere (--packed-linears).
 `PackedLinears` gives eager inference that kernel: inside `with PackedLinears(model):`, each nn.Linear of the model
@@ -155,7 +155,7 @@ def packed_by_default() -> bool:
     leaves its tuned code (bench/results/speed/cpu_linear_kernels.txt, Zen 5: the small preset's forward 1.40x
     (MoD) and 1.54x (dense) faster, SmolLM2-135M's 2.04x, its decode step 1.76x). Not on Intel, where MKL is tuned
     (cpu_linear_kernels-intel.txt, a Xeon with AVX-512: the small preset's forward 0.85-0.90x, SmolLM2-135M's
-    forward 1.03x and its decode step 0.83x), nor on CPUs nobody measured."""
+    forward 1.03-1.05x and its decode step 0.83x), nor on CPUs nobody measured."""
     return cpu_vendor() == "AuthenticAMD"
 
 
