@@ -98,21 +98,24 @@ def session_providers(provider: str) -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-def session_settings(threads: int = 0, spinning: bool = True) -> dict[str, object]:
+def session_settings(threads: int = 0, spinning: bool = True, stop_spinning: bool = False) -> dict[str, object]:
     """The onnxruntime session settings `create_session` uses, as recorded in profile output."""
     return {"graph_optimization_level": "ORT_ENABLE_ALL", "intra_op_threads": threads or "onnxruntime default",
-            "allow_spinning": spinning}
+            "allow_spinning": spinning, "force_spinning_stop": stop_spinning}
 
 
 def create_session(path: Path, providers: list[str], strict_provider: str | None = None, threads: int = 0,
-                   spinning: bool = True):
+                   spinning: bool = True, stop_spinning: bool = False):
     """An onnxruntime session; with `strict_provider`, a BundleError unless that provider really runs it.
 
     `threads`: intra-op threads of the CPU provider (0 = onnxruntime's default, one per core). Every graph
     optimisation is on (ORT_ENABLE_ALL, onnxruntime's default, stated). `spinning`: whether idle intra-op threads
-    spin waiting for work (onnxruntime's default, fastest when the process has the cores to itself); off where
-    other work shares the process's cores, e.g. PyTorch timed beside it in `modcli profile`, which spinning
-    threads slow down (measured 2x on 2 cores).
+    spin waiting for work between the operators of a call (onnxruntime's default, fastest when the process has the
+    cores to itself). `stop_spinning`: the threads stop spinning as soon as a call returns
+    (`session.force_spinning_stop`), for processes that do other work on the same cores between calls, e.g.
+    PyTorch timed beside it in `modcli profile`, which threads still spinning after a call slow down (measured 2x
+    on 2 cores); turning spinning off altogether instead costs every call a thread wake-up per operator (7-11%
+    on the small preset, Intel Xeon, 2 threads).
     """
     import onnxruntime as ort
 
@@ -121,6 +124,7 @@ def create_session(path: Path, providers: list[str], strict_provider: str | None
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    options.add_session_config_entry("session.force_spinning_stop", "1" if stop_spinning else "0")
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types (NOT_IMPLEMENTED, INVALID_GRAPH, ...)

@@ -3,8 +3,8 @@
 The graphs are the ones `modcli export` writes (`modcli.bundle.lowering`: the forward graph in the router's static
 mode, the decode graph in the profiled causal mode, float32, opset 18, with onnxruntime's fusions,
 `modcli.bundle.fusion`); they run in onnxruntime sessions of the PyTorch-free runtime with as many intra-op
-threads as PyTorch uses and thread spinning off (`SESSION_SPINNING`), since PyTorch runs between the calls on the
-same cores. What is timed, per model:
+threads as PyTorch uses, spinning during a call and stopped when it returns (`SESSION_SPINNING`,
+`SESSION_STOP_SPINNING`), since PyTorch runs between the calls on the same cores. What is timed, per model:
 
 - forward: the forward graph on the same (B, T) tokens as the eager forward;
 - decode: `--decode-tokens` steps of the decode graph, each followed by `CacheSpec.write_rows` (what one step of
@@ -33,15 +33,22 @@ from modcli.profiling.calls import decode_tokens_for, input_tokens
 from modcli.profiling.config import ProfileConfig
 
 CPU = torch.device("cpu")
-SESSION_SPINNING = False
-"""onnxruntime's idle threads spin by default; interleaved with PyTorch on the same cores they slowed the eager
-calls timed between them 2x (small preset, T 256, 2 threads), so profile turns spinning off (costing onnxruntime
-about 5% against a process of its own)."""
+SESSION_SPINNING = True
+SESSION_STOP_SPINNING = True
+"""onnxruntime's idle threads spin by default, also after a call returns; interleaved with PyTorch on the same
+cores they slowed the eager calls timed between them 2x (small preset, T 256, 2 threads). Spinning off altogether
+made every onnxruntime call 7-11% slower (a thread wake-up per operator: the small preset's forward 20.3 against
+18.9-19.1 ms at B 1, T 256, Intel Xeon, 2 threads; eager beside it 18.3-18.6 against 18.9-19.1 ms), so profile
+lets the threads spin within a call and stops them when it returns (`session.force_spinning_stop`). On a 2-core AMD
+EPYC (`bench/ort_spinning_ab.py`, 3 alternated runs, medians) that made the onnxruntime forward 17.5 -> 15.8 ms (MoD)
+and 29.7 -> 26.6 ms (dense) and the decode step 1.12 -> 0.92 ms and 2.06 -> 1.61 ms, the eager calls beside them
+unchanged beyond their spread."""
 
 
 def onnxruntime_settings(device: torch.device) -> dict[str, object]:
     """What the profile's onnxruntime sessions ran with (recorded in the result)."""
-    return {**session_settings(torch.get_num_threads(), SESSION_SPINNING), "operators": FUSED, "opset": MIN_OPSET,
+    return {**session_settings(torch.get_num_threads(), SESSION_SPINNING, SESSION_STOP_SPINNING), "operators": FUSED,
+            "opset": MIN_OPSET,
             "provider": session_providers("cuda" if device.type == "cuda" else "cpu")[0]}
 
 
@@ -85,7 +92,8 @@ def _session(spec: GraphSpec, path: Path, providers: list[str], threads: int, mo
     """Export `spec` to ONNX at `path` as `modcli export` does (fused) and open it in onnxruntime."""
     export_onnx(spec, export_program(spec), path, MIN_OPSET)
     fuse_graph(path, model.config.n_heads, model.config.d_model)
-    return create_session(path, providers, threads=threads, spinning=SESSION_SPINNING)
+    return create_session(path, providers, threads=threads, spinning=SESSION_SPINNING,
+                          stop_spinning=SESSION_STOP_SPINNING)
 
 
 def _forward_call(session, feeds: dict[str, np.ndarray]) -> TimedCall:
