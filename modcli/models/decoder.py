@@ -56,6 +56,13 @@ def config_rope(config: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]
     return rope_tables(positions, config.head_dim, config.rope_base, config.rope_scaling)
 
 
+def decode_rope(config: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The RoPE tables of one decode step: positions (B,) -> cos, sin (B, 1, hd/2). A decode step makes them once
+    and hands them to every block: 8 operators a block saved, the small preset's eager decode step 3-6% faster at
+    batch 1 and 1-6% at batch 8 on a 2-core AMD EPYC (bench/decode_rope_ab.py), logits bit for bit the same."""
+    return config_rope(config, positions[:, None])
+
+
 def llama3_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
     """Llama 3.1's RoPE scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -298,13 +305,14 @@ class Block(nn.Module):
         return scatter_tokens(x, idx, residual_update(x_selected, delta, weight, keep))
 
     def decode(self, x: Tensor, positions: Tensor, routing: str, cache: LayerKVCache,
-               token_ids: Tensor | None = None) -> Tensor:
+               token_ids: Tensor | None = None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One token per sequence: x (B, 1, D), positions (B,), token_ids (B, 1) its id (for a hash-routed MoE
-        MLP). A skipped token does no attention/MLP work."""
+        MLP). A skipped token does no attention/MLP work. `rope`: the RoPE tables (cos, sin) (B, 1, hd/2) of
+        `positions`, made once per step by the caller (`decode_rope`) and shared by every block; None: made here."""
         batch = x.shape[0]
         if not self.routed:
             rows = torch.arange(batch, device=x.device)
-            cos, sin = config_rope(self.config, positions[:, None])
+            cos, sin = rope if rope is not None else decode_rope(self.config, positions)
             return x + self._decode_delta(x, cos, sin, cache, rows, token_ids=token_ids)
         router, part = self.router, self.config.route_part
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
@@ -313,14 +321,17 @@ class Block(nn.Module):
             decisions = decisions | (positions[:, None] < self.config.keep_first)
         if part == "mlp":  # every row attends and is cached; only the MLP is routed
             rows = torch.arange(batch, device=x.device)
-            cos, sin = config_rope(self.config, positions[:, None])
+            cos, sin = rope if rope is not None else decode_rope(self.config, positions)
             x = x + self._decode_delta(x, cos, sin, cache, rows, "attention")  # no MLP: no ids
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
         if rows.numel():
             x_rows = x[rows]  # (n, 1, D)
-            cos, sin = config_rope(self.config, positions[rows][:, None])
+            if rope is None:
+                cos, sin = decode_rope(self.config, positions[rows])  # (n, 1, hd/2)
+            else:  # the step's tables at the processed rows: the same values (cos and sin are elementwise)
+                cos, sin = rope[0][rows], rope[1][rows]  # (n, 1, hd/2)
             weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
             row_ids = token_ids[rows] if token_ids is not None and self.mlp_reads_ids else None  # (n, 1)
             delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids)  # (n, 1, D)
@@ -464,8 +475,9 @@ class MoDDecoder(nn.Module):
             routing = (self.causal_modes() or ("dense",))[0]
         self.check_routing(routing, causal=True)
         x = self.embed(tokens)[:, None]  # (B, 1, D)
+        rope = decode_rope(self.config, cache.positions)  # (B, 1, hd/2) each, shared by every block
         for layer, block in enumerate(self.blocks):
-            x = block.decode(x, cache.positions, routing, cache.layers[layer], tokens[:, None])
+            x = block.decode(x, cache.positions, routing, cache.layers[layer], tokens[:, None], rope)
         cache.positions += 1
         return self.head(self.norm(x))[:, 0]  # (B, V)
 

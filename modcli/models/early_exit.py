@@ -44,7 +44,7 @@ from torch import Tensor
 from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
-from modcli.models.decoder import ForwardAux, MoDDecoder, config_rope
+from modcli.models.decoder import ForwardAux, MoDDecoder, config_rope, decode_rope
 
 
 def exit_weights(config: ModelConfig) -> list[float]:
@@ -164,8 +164,9 @@ class EarlyExitDecoder(MoDDecoder):
         """Blocks 0..E-1 on one token per row at `positions` (B,), appending their K/V -> the hidden state (B, 1, D)
         after block E-1. The cache's positions and the K/V of blocks E.. are left as they were."""
         x = self.embed(tokens)[:, None]  # (B, 1, D)
+        rope = decode_rope(self.config, positions)  # (B, 1, hd/2) each, shared by the draft blocks
         for layer in range(draft_layers):
-            x = self.blocks[layer].decode(x, positions, "dense", cache.layers[layer])
+            x = self.blocks[layer].decode(x, positions, "dense", cache.layers[layer], rope=rope)
         return x
 
     @torch.no_grad()

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
-from modcli.models.decoder import Block, ForwardAux, MoDDecoder, config_rope
+from modcli.models.decoder import Block, ForwardAux, MoDDecoder, config_rope, decode_rope
 from modcli.models.families.recursion import RECURSION
 from modcli.models.routing.base import RouterCapabilities, RoutingRecord
 from modcli.models.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal, select_topk
@@ -231,7 +231,8 @@ class RecursionDecoder(MoDDecoder):
         self.check_routing(routing, causal=True)
         positions = cache.positions  # (B,)
         x = self.embed(tokens)[:, None]  # (B, 1, D)
-        x = self.first.decode(x, positions, "dense", cache.layers[0])
+        rope = decode_rope(self.config, positions)  # (B, 1, hd/2) each, shared by every block and recursion
+        x = self.first.decode(x, positions, "dense", cache.layers[0], rope=rope)
         active = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)  # (B,)
         for step, router in enumerate(self.routers):
             router_logits = router.logits(x, positions[:, None])  # (B, 1)
@@ -240,13 +241,13 @@ class RecursionDecoder(MoDDecoder):
             if rows.numel() == 0:
                 continue  # every token has left (later routers still score, as the FLOP count assumes)
             x_rows = x[rows]  # (n, 1, D)
-            cos, sin = config_rope(self.config, positions[rows][:, None])
+            cos, sin = rope[0][rows], rope[1][rows]  # (n, 1, hd/2)
             hidden = x_rows
             for shared, block in enumerate(self.shared):
                 hidden = hidden + block._decode_delta(hidden, cos, sin, cache.layers[self.cache_layer(step, shared)],
                                                       rows)
             x = x.index_put((rows,), self.write_back(x_rows, hidden, router, router_logits[rows]))
-        x = self.last.decode(x, positions, "dense", cache.layers[-1])
+        x = self.last.decode(x, positions, "dense", cache.layers[-1], rope=rope)
         cache.positions += 1
         return self.head(self.norm(x))[:, 0]  # (B, V)
 

@@ -183,3 +183,34 @@ def test_decoding_with_topk_routing_is_refused():
     cache = DecoderCache.allocate(model.config, 1, 4, torch.device("cpu"))
     with pytest.raises(UserError, match="topk"):
         model.decode_step(torch.tensor([1]), cache, "topk")
+
+
+@pytest.mark.parametrize("route_part", ["block", "mlp"])
+@torch.no_grad()
+def test_the_steps_shared_rope_tables_decode_exactly_like_tables_made_per_block(route_part):
+    """decode_step makes the RoPE tables once and hands them to every block (a routed block gathers its processed
+    rows'); blocks that make their own from the positions give the same logits bit for bit."""
+    model = _model(route_part=route_part)
+    tokens = torch.randint(0, 256, (3, 20))
+    caches = [DecoderCache.allocate(model.config, 3, 20, torch.device("cpu")) for _ in range(2)]
+    for cache in caches:  # prompts of different lengths: every row decodes at a position of its own
+        model(tokens[:, :8], "router", cache=cache, lengths=torch.tensor([5, 8, 3]))
+    routed = model.blocks[1]
+    assert routed.routed
+    rows_seen: list[int] = []  # rows of each routed part the routed block ran ("mlp": not the attention of every row)
+    delta = routed._decode_delta
+
+    def spy(x, cos, sin, cache, rows, part="block", token_ids=None):
+        if part != "attention":
+            rows_seen.append(x.shape[0])
+        return delta(x, cos, sin, cache, rows, part, token_ids)
+
+    routed._decode_delta = spy  # type: ignore[method-assign]
+    for t in range(8, 20):
+        shared = model.decode_step(tokens[:, t], caches[0], "router")
+        x = model.embed(tokens[:, t])[:, None]  # (B, 1, D)
+        for layer, block in enumerate(model.blocks):  # each block makes its own tables (rope=None)
+            x = block.decode(x, caches[1].positions, "router", caches[1].layers[layer], tokens[:, t, None])
+        caches[1].positions += 1
+        assert torch.equal(shared, model.head(model.norm(x))[:, 0])
+    assert 0 < sum(rows_seen) < 2 * 3 * 12  # both runs: some rows processed (the gather ran), some skipped
