@@ -9,6 +9,8 @@ faster causal CPU kernel (modcli.bundle.attention). Shape inference is skipped (
 with it the residual-add fusion (SkipSimplifiedLayerNormalization), which needs it. An If inside another If (the
 decode graph's row-capped branch) is held apart while the optimizer runs, which mishandles it, and put back as
 exported; where the optimizer still removed a value such a branch reads, the graph is left as exported (unfused).
+Then each RoPE is rewritten into onnxruntime's contrib `RotaryEmbedding` (`modcli.bundle.rotary`), which the
+optimizer's own rotary fusion does not match in these graphs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from modcli.bundle.onnx_walk import names_read
+from modcli.bundle.rotary import ROTARY, fuse_rotary
 
 FUSED = "onnxruntime"
 """manifest `operators` of a fused graph: standard ONNX plus operators only onnxruntime has."""
@@ -55,11 +58,13 @@ def fuse_graph(path: Path, n_heads: int, d_model: int) -> dict[str, int]:
         model.model.graph.input.extend(inputs)
     if _missing_reads(model.model.graph, set()):  # the optimizer removed a value a held branch reads: keep the export
         return {}
+    rotary = fuse_rotary(model.model)
     if external:
         model.save_model_to_file(str(path), use_external_data_format=True, all_tensors_to_one_file=True)
     else:
         model.save_model_to_file(str(path))
-    return {name: count for name, count in model.get_fused_operator_statistics().items() if count}
+    fused = {name: count for name, count in model.get_fused_operator_statistics().items() if count}
+    return {**fused, ROTARY: rotary} if rotary else fused
 
 
 def _subgraph_attributes(node):

@@ -213,7 +213,8 @@ def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     assert manifest["valid"] is True and manifest["validation"]["status"] == "passed"
     assert manifest["opset"] == 18 and manifest["versions"]["torch"] == torch.__version__
     assert manifest["operators"] == "onnxruntime"  # RMSNorm fused (modcli.bundle.fusion); --opset-only: "onnx"
-    assert manifest["graphs"]["forward"]["fused"] == {"SimplifiedLayerNormalization": 9}
+    assert manifest["graphs"]["forward"]["fused"] == {"SimplifiedLayerNormalization": 9, "RotaryEmbedding": 4}
+    assert manifest["graphs"]["decode"]["fused"]["RotaryEmbedding"] == 4
     assert manifest["graphs"]["decode"]["operators"] == "onnxruntime"
     assert set(manifest["files"]) == {"forward.onnx", "decode.onnx", "cache_write.onnx", "config.json"}
     assert manifest["graphs"]["cache_write"]["kind"] == "onnx"
@@ -367,7 +368,7 @@ def test_opset_only_writes_standard_onnx_operators_and_validates(runner, trained
     assert manifest["operators"] == "onnx" and manifest["graphs"]["forward"]["fused"] == {}
     graph = onnx.load(str(out / "forward.onnx"))
     assert {node.domain for node in graph.graph.node} <= {""}
-    assert not {node.op_type for node in graph.graph.node} & {"SimplifiedLayerNormalization"}
+    assert not {node.op_type for node in graph.graph.node} & {"SimplifiedLayerNormalization", "RotaryEmbedding"}
     onnx.checker.check_model(graph)  # standard operators only: the ONNX checker knows every one
 
 
