@@ -98,6 +98,7 @@ class StaticDecoder:
         """Forget every sequence (lengths and positions to 0; the buffers keep their address)."""
         for layer in self.cache.layers:
             layer.lengths.zero_()
+            layer.full = None
         self.cache.positions.zero_()
 
     @torch.no_grad()

@@ -55,6 +55,9 @@ class LayerKVCache:
         self.values = torch.zeros_like(self.keys)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (B,)
         self.max_length = 0  # host-side upper bound of lengths: attention reads only this many slots
+        # Host-side: True when every row's length is max_length (every row holds the same slots, as in a dense layer
+        # after an unpadded prefill), False when not, None when unknown (checked once, at the next append).
+        self.full: bool | None = True
 
     @property
     def slots(self) -> int:
@@ -76,6 +79,7 @@ class LayerKVCache:
         self.keys[rows, :, :k] = keys.to(self.keys.dtype)
         self.values[rows, :, :k] = values.to(self.values.dtype)
         self.lengths[rows] = counts
+        self.full = None
         if not torch.compiler.is_compiling():  # compiled, k is a symbolic size; static decoding reads lengths only
             self.max_length = max(self.max_length, k)
 
@@ -83,9 +87,26 @@ class LayerKVCache:
         """Decode: write one token per row (keys (n, H, 1, hd)) at its sequence's next slot.
 
         Returns the keys and values to attend to, (n, H, L, hd), and a boolean mask (n, 1, 1, L) that always
-        includes the slot just written, so no attention row is ever fully masked.
+        includes the slot just written, so no attention row is ever fully masked; None when every row appends and
+        every row's slots are all real (`full`): nothing to mask.
         """
         self._ensure_slots(self.max_length + 1)
+        every_row = rows.shape[0] == self.keys.shape[0]
+        if every_row and not torch.compiler.is_compiling():
+            if self.full is None:  # one host sync, then known until something writes lengths out of step
+                low, high = torch.aminmax(self.lengths)
+                self.full = int(low) == int(high) == self.max_length
+            if self.full:
+                # Every row appends at the same slot and sees every slot: two slice copies and no mask, in place
+                # of the indexed writes, the per-row slots and the mask of the general path.
+                span = self.max_length + 1
+                self.keys[:, :, span - 1:span] = keys.to(self.keys.dtype)
+                self.values[:, :, span - 1:span] = values.to(self.values.dtype)
+                self.lengths += 1
+                self.max_length = span
+                return self.keys[:, :, :span], self.values[:, :, :span], None
+        if not every_row:  # the rows fall out of step (a row that catches up again is only missed, never wrong)
+            self.full = False
         slot = self.lengths[rows]  # (n,)
         store_token(self.keys, self.values, rows, slot, keys, values)
         self.lengths[rows] = slot + 1
@@ -112,7 +133,7 @@ class LayerKVCache:
         self.keys[rows, :, slots] = keys.transpose(1, 2).to(self.keys.dtype)  # (B, n, H, hd) into (B, H, slots, hd)
         self.values[rows, :, slots] = values.transpose(1, 2).to(self.values.dtype)
         self.lengths += n
-        self.max_length += n
+        self.max_length += n  # every row moved by n: `full` stays what it was
         span = self.max_length
         mask = torch.arange(span, device=keys.device)[None, None, :] <= slots[:, :, None]  # (B, n, L)
         return self.keys[:, :, :span], self.values[:, :, :span], mask[:, None]
@@ -122,6 +143,12 @@ class LayerKVCache:
         (speculative decoding's rollback of rejected drafts)."""
         self.lengths.copy_(torch.minimum(self.lengths, lengths))
         self.max_length = int(self.lengths.max()) if self.lengths.numel() else 0
+        self.full = None
+
+    def forget(self, rows: Tensor) -> None:
+        """Empty the given rows (their lengths to 0; the buffers keep what they held, to be overwritten)."""
+        self.lengths[rows] = 0
+        self.full = None
 
     @property
     def bytes_per_slot(self) -> int:

@@ -293,7 +293,7 @@ class Block(nn.Module):
         idx = selection.selected_idx  # (B, k)
         if guard_or_false(idx.shape[1] == 0):  # compiled with k unknown: the general path handles k = 0 too
             if cache is not None:
-                cache.lengths[cache_rows] = 0
+                cache.forget(cache_rows)
             return x  # no sequence processed any token: the block costs nothing
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None

@@ -202,7 +202,7 @@ class RecursionDecoder(MoDDecoder):
         if idx.shape[1] == 0:
             if cache is not None:
                 for shared in range(len(self.shared)):
-                    cache.layers[self.cache_layer(step, shared)].lengths[cache_rows] = 0
+                    cache.layers[self.cache_layer(step, shared)].forget(cache_rows)
             return x
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         hidden = x_selected
