@@ -37,12 +37,15 @@ def timed(quantity: str, call: Callable[[], Any]) -> TimedCall:
     return run
 
 
-def interleaved(calls: Mapping[Name, TimedCall], warmup: int, repeats: int) -> dict[Name, dict[str, list[float]]]:
+def interleaved(calls: Mapping[Name, TimedCall], warmup: int, repeats: int,
+                settle: Callable[[Name, Name], float] | None = None) -> dict[Name, dict[str, list[float]]]:
     """`warmup` untimed calls of each, then `repeats` rounds calling each once: name -> quantity -> seconds.
 
     The order alternates round by round (A B, then B A, ...), so that drift of the machine (other processes,
     clocks, caches) hits every call alike. The garbage collector is off while they run: a collection inside one
-    call would be charged to that call alone.
+    call would be charged to that call alone. `settle(previous, name)`: seconds to wait, untimed, before the timed
+    call `name` when the call `previous` ran just before it, e.g. until the threads of another runtime's pool have
+    stopped spinning, so that the call meets the cores as it would in a process of its own.
     """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {warmup} and {repeats}")
@@ -54,9 +57,13 @@ def interleaved(calls: Mapping[Name, TimedCall], warmup: int, repeats: int) -> d
     gc_was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
+    previous = None
     try:
         for repeat in range(repeats):
             for name in names if repeat % 2 == 0 else names[::-1]:
+                if settle is not None and previous is not None and (pause := settle(previous, name)) > 0:
+                    time.sleep(pause)
+                previous = name
                 for quantity, seconds in calls[name]().items():
                     samples[name].setdefault(quantity, []).append(seconds)
     finally:

@@ -34,6 +34,20 @@ Key = tuple[str, ...]
 """A timed call's name in an interleaved run: (model name, backend), and the measurement where one backend times
 several together (onnxruntime: forward and decode)."""
 
+ONNXRUNTIME_SETTLE_S = 0.02
+"""Untimed pause before an onnxruntime call that follows a PyTorch call (`interleaved`'s `settle`). PyTorch's OpenMP
+threads (libgomp) keep spinning for some milliseconds after a parallel region, and an onnxruntime call started
+within them shares the cores with them: on a 2-core AMD EPYC the small preset's onnxruntime dense forward (batch 1,
+T 256) took 1.18-1.19x its time alone when it started right after an eager call, and 1.01-1.04x after a pause of
+20 ms (`bench/ort_after_eager.py`, `bench/results/speed/ort_after_eager.txt`). A deployment runs onnxruntime in a
+process of its own, so that is what is timed. (The reverse needs no pause: profile's sessions stop their threads
+spinning when a call returns, `modcli.profiling.onnx.SESSION_STOP_SPINNING`.)"""
+
+
+def _settle(previous: Key, key: Key) -> float:
+    """`interleaved`'s pause before `key` after `previous`: ONNXRUNTIME_SETTLE_S from PyTorch to onnxruntime."""
+    return ONNXRUNTIME_SETTLE_S if key[1] == "onnxruntime" and previous[1] != "onnxruntime" else 0.0
+
 
 def measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_len: int, device: torch.device,
                     log: Callable[[str], None]) -> dict[str, ModelProfile]:
@@ -144,7 +158,7 @@ def _time(calls: dict[Key, TimedCall], tokens_per_call: dict[str, int], warmup: 
     (`forward`, `decode`, ...), other backends' in its `compiled` / `onnxruntime` dicts. `tokens_per_call`: the
     tokens one call processes, per timed quantity."""
     compile_stats = compile_stats or {}
-    samples = interleaved(calls, warmup, repeats)
+    samples = interleaved(calls, warmup, repeats, settle=_settle)
     for key, quantities in samples.items():
         name, backend = key[:2]
         for quantity, seconds in quantities.items():

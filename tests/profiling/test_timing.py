@@ -12,6 +12,7 @@ import pytest
 from modcli_runtime.timing import interleaved, latency_stats, timed
 
 from modcli.profiling.config import Timing
+from modcli.profiling.measure import ONNXRUNTIME_SETTLE_S, _settle
 
 
 def test_latency_stats_are_the_median_the_fastest_and_the_slowest_call_in_milliseconds():
@@ -58,6 +59,22 @@ def test_interleaved_excludes_the_warm_up_calls():
     assert len(seen) == 5 and samples[("model", "eager")]["forward"] == [3.0, 4.0, 5.0]
     with pytest.raises(ValueError, match="repeats >= 1"):
         interleaved({"model": run}, warmup=0, repeats=0)
+
+
+def test_interleaved_settles_untimed_between_the_calls_its_rule_names(monkeypatch):
+    import modcli_runtime.timing as timing
+
+    events: list[str] = []
+    monkeypatch.setattr(timing.time, "sleep", lambda seconds: events.append(f"sleep {seconds}"))
+
+    def run(name):
+        return lambda: events.append(name) or {"forward": 0.001}
+
+    calls = {("mod", "eager"): run("mod eager"), ("mod", "onnxruntime"): run("mod ort")}
+    interleaved(calls, warmup=1, repeats=3, settle=_settle)
+    pause = f"sleep {ONNXRUNTIME_SETTLE_S}"  # before onnxruntime after PyTorch only
+    assert events == ["mod eager", "mod ort",  # warm-up: no pause
+                      "mod eager", pause, "mod ort", "mod ort", "mod eager", "mod eager", pause, "mod ort"]
 
 
 def test_timed_returns_the_wall_clock_seconds_of_one_call():
