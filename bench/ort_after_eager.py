@@ -1,6 +1,6 @@
 """An onnxruntime call right after an eager PyTorch call, against the same call after a pause and alone: how long
 PyTorch's OpenMP threads, still spinning after their parallel region, slow the onnxruntime call that follows
-(modcli.profiling.measure.ONNXRUNTIME_SETTLE_S). Fresh small-preset models (dense and MoD), their fused forward
+(modcli.profiling.onnx.ONNXRUNTIME_SETTLE_S). Fresh small-preset models (dense and MoD), their fused forward
 graphs exported as `modcli profile` does, batch B, T 256, 2 threads; for each pause, 15 rounds alternating eager and
 onnxruntime (order flipped every round), the pause taken untimed before every onnxruntime call that follows an eager
 one; then 15 calls of each alone:

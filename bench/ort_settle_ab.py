@@ -1,5 +1,5 @@
 """`modcli profile --backends eager,onnxruntime` with a given pause before each onnxruntime call that follows a
-PyTorch call (modcli.profiling.measure.ONNXRUNTIME_SETTLE_S; 0 = the harness before the pause), printing profile's
+PyTorch call (modcli.profiling.onnx.ONNXRUNTIME_SETTLE_S; 0 = the harness before the pause), printing profile's
 JSON; alternate runs with and without it and compare, e.g.
 
     for r in 1 2 3 4; do for s in 0.02 0; do
@@ -13,6 +13,7 @@ import json
 import sys
 
 import modcli.profiling.measure as measure
+import modcli.profiling.onnx as onnx_profile
 
 
 def summary(paths: list[str]) -> None:
@@ -37,7 +38,8 @@ def main() -> None:
     if sys.argv[1] == "--summary":
         summary(sys.argv[2:])
         return
-    measure.ONNXRUNTIME_SETTLE_S = float(sys.argv[1])
+    # measure's `_settle` reads its own import of the pause; onnx's copy is what the JSON records
+    measure.ONNXRUNTIME_SETTLE_S = onnx_profile.ONNXRUNTIME_SETTLE_S = float(sys.argv[1])
     from modcli.cli import app
 
     sys.argv = ["modcli", "profile", "--preset", "small", "--batch-size", sys.argv[2], "--seq-lens", "256",

@@ -28,21 +28,11 @@ from modcli.packed_linear import inference_linears
 from modcli.profiling.calls import decode_call, forward_call, input_tokens, static_decode_call, train_call
 from modcli.profiling.config import ModelProfile, ProfileConfig, Timing
 from modcli.profiling.flop_counts import counted_decode, counted_forward, counted_training
-from modcli.profiling.onnx import onnxruntime_calls
+from modcli.profiling.onnx import ONNXRUNTIME_SETTLE_S, onnxruntime_calls
 
 Key = tuple[str, ...]
 """A timed call's name in an interleaved run: (model name, backend), and the measurement where one backend times
 several together (onnxruntime: forward and decode)."""
-
-ONNXRUNTIME_SETTLE_S = 0.02
-"""Untimed pause before an onnxruntime call that follows a PyTorch call (`interleaved`'s `settle`). PyTorch's OpenMP
-threads (libgomp) keep spinning for some milliseconds after a parallel region, and an onnxruntime call started
-within them shares the cores with them: on a 2-core AMD EPYC the small preset's onnxruntime dense forward (batch 1,
-T 256) took 1.18-1.19x its time alone when it started right after an eager call, and 1.01-1.04x after a pause of
-20 ms (`bench/ort_after_eager.py`, `bench/results/speed/ort_after_eager.txt`). A deployment runs onnxruntime in a
-process of its own, so that is what is timed. (The reverse needs no pause: profile's sessions stop their threads
-spinning when a call returns, `modcli.profiling.onnx.SESSION_STOP_SPINNING`.)"""
-
 
 def _settle(previous: Key, key: Key) -> float:
     """`interleaved`'s pause before `key` after `previous`: ONNXRUNTIME_SETTLE_S from PyTorch to onnxruntime."""

@@ -44,10 +44,20 @@ EPYC (`bench/ort_spinning_ab.py`, 3 alternated runs, medians) that made the onnx
 and 29.7 -> 26.6 ms (dense) and the decode step 1.12 -> 0.92 ms and 2.06 -> 1.61 ms, the eager calls beside them
 unchanged beyond their spread."""
 
+ONNXRUNTIME_SETTLE_S = 0.02
+"""Untimed pause before an onnxruntime call that follows a PyTorch call (`modcli_runtime.timing.interleaved`'s
+`settle`). PyTorch's OpenMP threads (libgomp) keep spinning for some milliseconds after a parallel region, and an
+onnxruntime call started within them shares the cores with them: on a 2-core AMD EPYC the small preset's
+onnxruntime dense forward (batch 1, T 256) took 1.18-1.19x its time alone when it started right after an eager
+call, and 1.01-1.04x after a pause of 20 ms (`bench/ort_after_eager.py`, `bench/results/speed/ort_after_eager.txt`).
+A deployment runs onnxruntime in a process of its own, so that is what is timed. (The reverse needs no pause:
+profile's sessions stop their threads spinning when a call returns, `SESSION_STOP_SPINNING`.)"""
+
 
 def onnxruntime_settings(device: torch.device) -> dict[str, object]:
     """What the profile's onnxruntime sessions ran with (recorded in the result)."""
-    return {**session_settings(torch.get_num_threads(), SESSION_SPINNING, SESSION_STOP_SPINNING), "operators": FUSED,
+    return {**session_settings(torch.get_num_threads(), SESSION_SPINNING, SESSION_STOP_SPINNING),
+            "settle_after_pytorch_s": ONNXRUNTIME_SETTLE_S, "operators": FUSED,
             "opset": MIN_OPSET,
             "provider": session_providers("cuda" if device.type == "cuda" else "cpu")[0]}
 

@@ -12,7 +12,8 @@ import pytest
 from modcli_runtime.timing import interleaved, latency_stats, timed
 
 from modcli.profiling.config import Timing
-from modcli.profiling.measure import ONNXRUNTIME_SETTLE_S, _settle
+from modcli.profiling.measure import _settle
+from modcli.profiling.onnx import ONNXRUNTIME_SETTLE_S
 
 
 def test_latency_stats_are_the_median_the_fastest_and_the_slowest_call_in_milliseconds():

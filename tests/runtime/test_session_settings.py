@@ -47,4 +47,5 @@ def test_profile_records_spinning_within_a_call_and_stopped_after_it():
 
     settings = onnxruntime_settings(torch.device("cpu"))
     assert settings["allow_spinning"] is True and settings["force_spinning_stop"] is True
+    assert settings["settle_after_pytorch_s"] > 0  # the pause before an onnxruntime call that follows a PyTorch one
     assert settings["provider"] == "CPUExecutionProvider"
