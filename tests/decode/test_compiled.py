@@ -219,8 +219,8 @@ def test_profile_backends(tmp_path, monkeypatch):
 
     timed_together: list[set] = []  # the calls of each interleaved run
     interleaved = profile_measure.interleaved
-    monkeypatch.setattr(profile_measure, "interleaved", lambda calls, *args: timed_together.append(set(calls))
-                        or interleaved(calls, *args))
+    monkeypatch.setattr(profile_measure, "interleaved", lambda calls, *args, **kwargs: timed_together.append(set(calls))
+                        or interleaved(calls, *args, **kwargs))
     flags = ["profile", "--preset", "tiny", "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16",
              "--batch-size", "1", "--repeats", "1", "--warmup", "0", "--decode-tokens", "2", "--no-memory",
              "--device", "cpu", "--json"]
