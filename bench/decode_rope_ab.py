@@ -29,24 +29,29 @@ def per_block_rope_step(model, tokens, cache, routing):
     return model.head(model.norm(x))[:, 0]
 
 
-def measure(label: str, route_every: int, batch: int) -> str:
-    """One model's line: both decode steps' median (min-max) ms and their ratio."""
+def prefilled(route_every: int, batch: int, names: tuple[str, ...]):
+    """A fresh small-preset model (MoD every `route_every`-th block, 0 = dense), its decode routing, the step's new
+    tokens and, per name, a KV cache prefilled with the same 256-token prompt (room for every timed step)."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     torch.manual_seed(0)
     config = ModelConfig(**{k: v for k, v in PRESETS["small"].items() if k in fields}, route_every=route_every)
     model = build_model(config).eval()
-    routing = "router" if route_every else "dense"
     new_tokens = torch.randint(0, 256, (batch,))
     prompt = torch.randint(0, 256, (batch, 256))
     caches = {}
     with torch.no_grad():
-        for name in ("per block", "once a step"):
+        for name in names:
             caches[name] = DecoderCache.allocate(config, batch, 256 + ROUNDS * STEPS + 8, torch.device("cpu"))
             model(prompt, "router" if route_every else None, cache=caches[name])
-        calls = {"per block": lambda: per_block_rope_step(model, new_tokens, caches["per block"], routing),
-                 "once a step": lambda: model.decode_step(new_tokens, caches["once a step"], routing)}
+    return model, "router" if route_every else "dense", new_tokens, caches
+
+
+def compare_steps(label: str, batch: int, calls: dict, before: str, after: str) -> str:
+    """Time two decode-step calls interleaved (ROUNDS rounds of STEPS steps each), their first logits checked equal
+    bit for bit: one line with each median (min-max) ms and after / before."""
+    with torch.no_grad():
         first = {name: call() for name, call in calls.items()}
-        assert torch.equal(first["per block"], first["once a step"])
+        assert torch.equal(first[before], first[after])
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(ROUNDS):
             for name, call in calls.items():
@@ -56,7 +61,15 @@ def measure(label: str, route_every: int, batch: int) -> str:
                 times[name].append((time.perf_counter() - start) / STEPS * 1000)
     medians = {name: sorted(values)[len(values) // 2] for name, values in times.items()}
     cells = ", ".join(f"{name} {medians[name]:.3f} ms ({min(v):.3f}-{max(v):.3f})" for name, v in times.items())
-    return f"{label} batch {batch}: {cells}; once / per block {medians['once a step'] / medians['per block']:.3f}"
+    return f"{label} batch {batch}: {cells}; {after} / {before} {medians[after] / medians[before]:.3f}"
+
+
+def measure(label: str, route_every: int, batch: int) -> str:
+    """One model's line: both decode steps' median (min-max) ms and their ratio."""
+    model, routing, new_tokens, caches = prefilled(route_every, batch, ("per block", "once a step"))
+    calls = {"per block": lambda: per_block_rope_step(model, new_tokens, caches["per block"], routing),
+             "once a step": lambda: model.decode_step(new_tokens, caches["once a step"], routing)}
+    return compare_steps(label, batch, calls, "per block", "once a step")
 
 
 def main() -> None:

@@ -28,15 +28,11 @@ from modcli.packed_linear import inference_linears
 from modcli.profiling.calls import decode_call, forward_call, input_tokens, static_decode_call, train_call
 from modcli.profiling.config import ModelProfile, ProfileConfig, Timing
 from modcli.profiling.flop_counts import counted_decode, counted_forward, counted_training
-from modcli.profiling.onnx import ONNXRUNTIME_SETTLE_S, onnxruntime_calls
+from modcli.profiling.onnx import onnxruntime_calls, settle_before_onnxruntime
 
 Key = tuple[str, ...]
 """A timed call's name in an interleaved run: (model name, backend), and the measurement where one backend times
 several together (onnxruntime: forward and decode)."""
-
-def _settle(previous: Key, key: Key) -> float:
-    """`interleaved`'s pause before `key` after `previous`: ONNXRUNTIME_SETTLE_S from PyTorch to onnxruntime."""
-    return ONNXRUNTIME_SETTLE_S if key[1] == "onnxruntime" and previous[1] != "onnxruntime" else 0.0
 
 
 def measure_seq_len(config: ProfileConfig, models: dict[str, MoDDecoder], seq_len: int, device: torch.device,
@@ -148,7 +144,7 @@ def _time(calls: dict[Key, TimedCall], tokens_per_call: dict[str, int], warmup: 
     (`forward`, `decode`, ...), other backends' in its `compiled` / `onnxruntime` dicts. `tokens_per_call`: the
     tokens one call processes, per timed quantity."""
     compile_stats = compile_stats or {}
-    samples = interleaved(calls, warmup, repeats, settle=_settle)
+    samples = interleaved(calls, warmup, repeats, settle=settle_before_onnxruntime)
     for key, quantities in samples.items():
         name, backend = key[:2]
         for quantity, seconds in quantities.items():

@@ -54,6 +54,12 @@ A deployment runs onnxruntime in a process of its own, so that is what is timed.
 profile's sessions stop their threads spinning when a call returns, `SESSION_STOP_SPINNING`.)"""
 
 
+def settle_before_onnxruntime(previous: tuple[str, ...], key: tuple[str, ...]) -> float:
+    """`interleaved`'s pause before the call `key` (model name, backend, ...) after `previous`: ONNXRUNTIME_SETTLE_S
+    from a PyTorch call to an onnxruntime one, else none."""
+    return ONNXRUNTIME_SETTLE_S if key[1] == "onnxruntime" and previous[1] != "onnxruntime" else 0.0
+
+
 def onnxruntime_settings(device: torch.device) -> dict[str, object]:
     """What the profile's onnxruntime sessions ran with (recorded in the result)."""
     return {**session_settings(torch.get_num_threads(), SESSION_SPINNING, SESSION_STOP_SPINNING),

@@ -44,7 +44,7 @@ def test_rows_of_different_lengths_keep_the_mask():
     cache = _cache()
     prefix = torch.randn(3, 2, 5, 4)
     cache.write_prefix(torch.arange(3), prefix, -prefix, torch.tensor([5, 3, 4]))
-    keys, _, mask = cache.append(torch.arange(3), torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))
+    _, _, mask = cache.append(torch.arange(3), torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))
     assert cache.full is False and mask is not None
     assert mask[:, 0, 0].sum(dim=-1).tolist() == [6, 4, 5]  # each row's own slots, the new one included
     assert cache.lengths.tolist() == [6, 4, 5]
@@ -68,7 +68,7 @@ def test_a_routed_append_of_some_rows_leaves_the_fast_path_and_forgetting_rows_c
 
 @pytest.mark.parametrize("dense", [True, False])
 @torch.no_grad()
-def test_decoding_logits_are_bit_for_bit_those_of_the_masked_path(dense, monkeypatch):
+def test_decoding_logits_are_bit_for_bit_those_of_the_masked_path(dense):
     model = _model(route_every=0) if dense else _model()
     tokens = torch.randint(0, 256, (3, 24))
 

@@ -12,8 +12,7 @@ import pytest
 from modcli_runtime.timing import interleaved, latency_stats, timed
 
 from modcli.profiling.config import Timing
-from modcli.profiling.measure import _settle
-from modcli.profiling.onnx import ONNXRUNTIME_SETTLE_S
+from modcli.profiling.onnx import ONNXRUNTIME_SETTLE_S, settle_before_onnxruntime
 
 
 def test_latency_stats_are_the_median_the_fastest_and_the_slowest_call_in_milliseconds():
@@ -72,7 +71,7 @@ def test_interleaved_settles_untimed_between_the_calls_its_rule_names(monkeypatc
         return lambda: events.append(name) or {"forward": 0.001}
 
     calls = {("mod", "eager"): run("mod eager"), ("mod", "onnxruntime"): run("mod ort")}
-    interleaved(calls, warmup=1, repeats=3, settle=_settle)
+    interleaved(calls, warmup=1, repeats=3, settle=settle_before_onnxruntime)
     pause = f"sleep {ONNXRUNTIME_SETTLE_S}"  # before onnxruntime after PyTorch only
     assert events == ["mod eager", "mod ort",  # warm-up: no pause
                       "mod eager", pause, "mod ort", "mod ort", "mod eager", "mod eager", pause, "mod ort"]
