@@ -326,7 +326,15 @@ class Block(nn.Module):
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
-        if rows.numel():
+        processed = rows.numel()
+        if processed == batch:
+            # Every row processes the token (each processed step at batch 1): the whole tensors, with no row reads
+            # and no indexed write back (6 operators fewer); the same values as the general path below.
+            cos, sin = rope if rope is not None else decode_rope(self.config, positions)  # (B, 1, hd/2)
+            weight = router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
+            ids = token_ids if self.mlp_reads_ids else None  # (B, 1)
+            x = residual_update(x, self._decode_delta(x, cos, sin, cache, rows, part, ids), weight)
+        elif processed:
             x_rows = x[rows]  # (n, 1, D)
             if rope is None:
                 cos, sin = decode_rope(self.config, positions[rows])  # (n, 1, hd/2)

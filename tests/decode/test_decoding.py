@@ -214,3 +214,28 @@ def test_the_steps_shared_rope_tables_decode_exactly_like_tables_made_per_block(
         caches[1].positions += 1
         assert torch.equal(shared, model.head(model.norm(x))[:, 0])
     assert 0 < sum(rows_seen) < 2 * 3 * 12  # both runs: some rows processed (the gather ran), some skipped
+
+
+@pytest.mark.parametrize("route_part", ["block", "attention", "mlp"])
+@pytest.mark.parametrize("batch, bias", [(1, 0.0), (3, 1e4)])
+@torch.no_grad()
+def test_steps_where_every_row_processes_decode_like_the_full_forward(route_part, batch, bias):
+    """A routed block whose every row processes the token (each processed step at batch 1; here also batch 3 with
+    the routers forced on) runs on the whole tensors, without row reads or an indexed write: still the full forward."""
+    model = _model(route_part=route_part)
+    for block in model.blocks:
+        if block.router is not None:
+            block.router.score.bias.fill_(bias)
+    tokens = torch.randint(0, 256, (batch, 30))
+    full = model(tokens, "router")  # (B, T, V)
+    cache = DecoderCache.allocate(model.config, batch, 30, torch.device("cpu"))
+    logits = [model(tokens[:, :6], "router", cache=cache)[:, -1]]
+    routed = [layer for layer, block in enumerate(model.blocks) if block.routed]
+    stored = [int(cache.layers[layer].lengths.sum()) for layer in routed]
+    for t in range(6, 30):
+        logits.append(model.decode_step(tokens[:, t], cache, "router"))
+    torch.testing.assert_close(torch.stack(logits, dim=1), full[:, 5:], atol=ATOL, rtol=0)
+    if route_part != "mlp":  # a routed layer's cache holds what it processed: some steps ran, and at batch 1 some not
+        grown = [int(cache.layers[layer].lengths.sum()) - before for layer, before in zip(routed, stored)]
+        assert sum(grown) > 0
+        assert sum(grown) < 24 * len(routed) if batch == 1 else sum(grown) == 24 * batch * len(routed)
