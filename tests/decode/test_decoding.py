@@ -236,6 +236,8 @@ def test_steps_where_every_row_processes_decode_like_the_full_forward(route_part
         logits.append(model.decode_step(tokens[:, t], cache, "router"))
     torch.testing.assert_close(torch.stack(logits, dim=1), full[:, 5:], atol=ATOL, rtol=0)
     if route_part != "mlp":  # a routed layer's cache holds what it processed: some steps ran, and at batch 1 some not
-        grown = [int(cache.layers[layer].lengths.sum()) - before for layer, before in zip(routed, stored)]
-        assert sum(grown) > 0
-        assert sum(grown) < 24 * len(routed) if batch == 1 else sum(grown) == 24 * batch * len(routed)
+        grown = sum(int(cache.layers[layer].lengths.sum()) - before for layer, before in zip(routed, stored, strict=True))
+        if batch == 1:
+            assert 0 < grown < 24 * len(routed)
+        else:
+            assert grown == 24 * batch * len(routed)
