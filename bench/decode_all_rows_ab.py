@@ -18,7 +18,6 @@ import torch
 from decode_rope_ab import ROUNDS, STEPS, compare_steps, prefilled  # the same models, prefill and interleaved timing
 
 import modcli.models.decoder as decoder
-from modcli.models.cache import DecoderCache
 from modcli.models.routing.calibration import calibrate_causal_rules
 from modcli.models.routing.selection import residual_update
 from modcli.models.routing.topk import shift_output_bias
@@ -58,19 +57,16 @@ def step(model, tokens, cache, routing, before: bool):
 
 
 def measure(label: str, batch: int) -> str:
-    model, routing, new_tokens, caches = prefilled(2, batch, ("rows", "whole"))
-    prompt = torch.randint(0, 256, (batch, 256))
-    if label == "always":
+    def set_routers(model, prompt):
+        if label == "calibrated":
+            calibrate_causal_rules(model, prompt)
+            return
         with torch.no_grad():
             for block in model.blocks:
                 if block.routed:
                     shift_output_bias(block.router.score, torch.tensor(-1e4))
-    else:
-        calibrate_causal_rules(model, prompt)
-    with torch.no_grad():  # the caches again, prefilled with the routing just set
-        for name, cache in caches.items():
-            caches[name] = DecoderCache.allocate(model.config, batch, cache.max_tokens, torch.device("cpu"))
-            model(prompt, routing, cache=caches[name])
+
+    model, routing, _, caches = prefilled(2, batch, ("rows", "whole"), set_routers)
     stream = torch.randint(0, 256, (ROUNDS * STEPS + 1, batch))  # each call's next tokens: the same for both
     fed = {"rows": 0, "whole": 0}
 

@@ -8,9 +8,7 @@ equal bit for bit:
 
 from __future__ import annotations
 
-import sys
-
-from decode_rope_ab import compare_steps, prefilled  # the same models, prefill and interleaved timing
+from decode_rope_ab import compare_steps, main, prefilled  # the same models, prefill, timing and command line
 
 
 def measure(label: str, route_every: int, batch: int) -> str:
@@ -26,11 +24,5 @@ def measure(label: str, route_every: int, batch: int) -> str:
     return compare_steps(label, batch, calls, "masked", "slice")
 
 
-def main() -> None:
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-    for label, route_every in (("dense", 0), ("mod", 2)):
-        print(measure(label, route_every, batch), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    main(measure)

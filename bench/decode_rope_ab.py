@@ -29,15 +29,18 @@ def per_block_rope_step(model, tokens, cache, routing):
     return model.head(model.norm(x))[:, 0]
 
 
-def prefilled(route_every: int, batch: int, names: tuple[str, ...]):
+def prefilled(route_every: int, batch: int, names: tuple[str, ...], prepare=None):
     """A fresh small-preset model (MoD every `route_every`-th block, 0 = dense), its decode routing, the step's new
-    tokens and, per name, a KV cache prefilled with the same 256-token prompt (room for every timed step)."""
+    tokens and, per name, a KV cache prefilled with the same 256-token prompt (room for every timed step).
+    `prepare(model, prompt)`, if given, runs on the model before the prefills (to set its routers, say)."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     torch.manual_seed(0)
     config = ModelConfig(**{k: v for k, v in PRESETS["small"].items() if k in fields}, route_every=route_every)
     model = build_model(config).eval()
     new_tokens = torch.randint(0, 256, (batch,))
     prompt = torch.randint(0, 256, (batch, 256))
+    if prepare is not None:
+        prepare(model, prompt)
     caches = {}
     with torch.no_grad():
         for name in names:
@@ -72,7 +75,8 @@ def measure(label: str, route_every: int, batch: int) -> str:
     return compare_steps(label, batch, calls, "per block", "once a step")
 
 
-def main() -> None:
+def main(measure=measure) -> None:
+    """Each model's line (dense, then MoD) of `measure(label, route_every, batch)`, batch from the command line."""
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     for label, route_every in (("dense", 0), ("mod", 2)):
         print(measure(label, route_every, batch), flush=True)
