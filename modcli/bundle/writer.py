@@ -20,10 +20,12 @@ The bundle is a folder:
   and outputs, the routing of each graph, validation results, `valid`).
 
 Everything is written to a temporary folder that is renamed into place at the end (modcli.checkpoint.atomic, as
-checkpoints are); a failure leaves nothing behind. Validation always runs: every graph against eager PyTorch (top-k
-forward on random tokens and real text at several T and B, selected positions and logits; greedy decoding against
-`modcli generate`'s PyTorch path, tokens, logits and per-layer processed counts). A failed check marks the bundle
-invalid.
+checkpoints are), under --out's lock (modcli.checkpoint.lock, the one every writing command takes); a failure leaves
+nothing behind, and a folder that appeared at --out (or changed) after it was checked is never replaced. Validation
+always runs: every graph against eager PyTorch (top-k forward on random tokens and real text at several T and B,
+selected positions and logits; greedy decoding against `modcli generate`'s PyTorch path, tokens, logits and per-layer
+processed counts). A failed check marks the bundle invalid. Progress lines (each step and the seconds since the start)
+go to `log`.
 
 This module holds the orchestration and the bundle on disk; its config is modcli.bundle.config.ExportConfig, the
 graphs are built by modcli.bundle.lowering (over the wrappers in modcli.decode.graphs) and checked by
@@ -36,8 +38,8 @@ import contextlib
 import dataclasses
 import json
 import platform
-import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,8 +67,8 @@ from modcli.bundle.lowering import (
 )
 from modcli.bundle.validation import Check, validate_bundle, validation_providers, validation_text
 from modcli.checkpoint import atomic
-from modcli.checkpoint.lock import RunLock, sibling_lock_path
-from modcli.checkpoint.store import load_model_from
+from modcli.checkpoint.lock import OutLock
+from modcli.checkpoint.store import is_write_error, load_model_from
 from modcli.errors import UserError, WriteFailed
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.decoder import MoDDecoder
@@ -149,36 +151,74 @@ def export(config: ExportConfig, log: Callable[[str], None] | None = None) -> Ex
     log = log or (lambda message: None)
     started = time.perf_counter()
     out = Path(config.out)
-    with export_lock(out, "manifest.json", log):
+    with export_lock(out, log):
         return _export(config, out, log, started)
 
 
 @contextlib.contextmanager
-def export_lock(out: Path, marker_file: str, log: Callable[[str], None]):
-    """Hold the lock next to --out while an export works (a second export into the same --out is refused at once),
-    after putting back what a killed export left there: a folder displaced by --force is restored when nothing
-    replaced it (recognised by `marker_file`), temporary folders are removed; one note per folder to `log`."""
-    if out.parent.exists() and not out.parent.is_dir():
-        raise UserError(f"--out {out}: {out.parent} is a file")
-    lock = RunLock(sibling_lock_path(out), "export", out)
-    if not out.parent.exists():
-        lock.remove_empty = out.parent
-    note = lock.acquire()
+def export_lock(out: Path, log: Callable[[str], None]):
+    """Hold --out's lock while an export works (any other command writing --out is refused at once), after putting
+    back what a killed command left beside it (modcli.checkpoint.lock.OutLock); one note per thing to `log`."""
+    lock = OutLock(out, "export")
+    for note in lock.acquire():
+        log(note)
     try:
-        if note:
-            log(note)
-        for line in atomic.clean_stale(out.parent, re.escape(out.name), marker_file,
-                                       {"tmp": "an interrupted export", "old": "an interrupted export"},
-                                       restored="an interrupted export --force"):
-            log(line)
         yield
     finally:
         lock.release()
 
 
+def write_failed(exc: BaseException, what: str) -> WriteFailed | None:
+    """A refused write (disk full, permissions, a file-size limit; as OSError or a writer's own error) as the one
+    line of exit code 1; None for any other exception."""
+    if not is_write_error(exc):
+        return None
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return WriteFailed(f"cannot write {what}: {exc.strerror or exc}{where}")
+    return WriteFailed(f"cannot write {what}: {' '.join(str(exc).split())[:300]}")
+
+
+class Progress:
+    """Progress lines to `log` (stderr; nothing with --json) with the seconds since the export started."""
+
+    heartbeat_s = 30.0
+    """While a step runs longer, a line every this many seconds says it is still running."""
+
+    def __init__(self, log: Callable[[str], None], started: float) -> None:
+        self.log, self.started = log, started
+
+    @contextlib.contextmanager
+    def step(self, what: str):
+        """Say `what` starts, that it still runs every `heartbeat_s` (torch.export of a decode graph takes minutes
+        on a small CPU), and how long it took."""
+        self(what)
+        start, done = time.perf_counter(), threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.heartbeat_s):
+                self(f"  still {what} ({time.perf_counter() - start:.0f} s so far)")
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+        self(f"  took {time.perf_counter() - start:.1f} s")
+
+    def __call__(self, message: str) -> None:
+        if message.startswith(("note:", "[yellow]note:")):  # notes read the same with or without a clock
+            self.log(message)
+        else:
+            self.log(f"[{time.perf_counter() - self.started:6.1f} s] {message}")
+
+
 def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started: float) -> ExportResult:
     check_out(out, config.force, lambda folder: (folder / "manifest.json").is_file(), "bundle folder",
               "without manifest.json (not a modcli bundle)")
+    checked = atomic.folder_state(out)  # what is published over must still be this
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
     family = model.config.family
     if not family.exportable:
@@ -206,21 +246,24 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started
     text = validation_text(config.text, model.config.vocab_size)
 
     try:
-        with atomic.publish_folder(out) as tmp:  # an existing bundle (--force, checked above) is replaced
+        with atomic.publish_folder(out, expect=checked) as tmp:  # a bundle checked above (--force) is replaced
             if run_config.data.tokenizer != "bytes":  # the bundle carries the run's tokenizer; modcli-run reads it
                 shutil.copyfile(checkpoint.parent / run_config.data.tokenizer, tmp / "tokenizer.json")
             result = _write_bundle(tmp, out, config, model, run_config.to_dict(), str(checkpoint.resolve()),
-                                   providers, aoti_ok, aoti_reason, text, log)
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise WriteFailed(f"cannot write the bundle {out}: {exc.strerror or exc}{where}") from None
+                                   providers, aoti_ok, aoti_reason, text, Progress(log, started))
+            log(f"[{time.perf_counter() - started:6.1f} s] publishing {out}")
+    except Exception as exc:
+        failed = write_failed(exc, f"the bundle {out}")
+        if failed is None:
+            raise
+        raise failed from None
     result.seconds = time.perf_counter() - started
     return result
 
 
 def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder, run_config: dict[str, Any],
                   checkpoint: str, providers: list[str], aoti_ok: bool, aoti_reason: str, text: np.ndarray,
-                  log: Callable[[str], None]) -> ExportResult:
+                  log: Progress) -> ExportResult:
     model_config = model.config
     tokenizer = run_config["data"]["tokenizer"]
     (tmp / "config.json").write_text(json.dumps(run_config, indent=2))
@@ -229,27 +272,31 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
     files: list[GraphFile] = []
     graphs: dict[str, dict[str, Any]] = {}
     for spec in specs:
-        log(f"exporting the {spec.name} graph ({spec.routing} routing)")
         start = time.perf_counter()
-        program = export_program(spec)
+        with log.step(f"exporting the {spec.name} graph ({spec.routing} routing): torch.export"):
+            program = export_program(spec)
         export_s = time.perf_counter() - start
         if config.compile:
             path = tmp / f"{spec.name}.pt2"
             torch.export.save(program, str(path))
             files.append(GraphFile(spec.name, "exported_program", path.name, path.stat().st_size, export_s))
             if aoti_ok:
-                log(f"compiling the {spec.name} graph with AOTInductor")
                 aoti_path = tmp / f"{spec.name}.aoti.pt2"
-                seconds = compile_aoti(spec, program, aoti_path)
+                with log.step(f"compiling the {spec.name} graph with AOTInductor"):
+                    seconds = compile_aoti(spec, program, aoti_path)
                 files.append(GraphFile(spec.name, "aoti", aoti_path.name, aoti_path.stat().st_size, seconds))
-                log(f"  AOTInductor compile took {seconds:.1f} s")
         info: dict[str, Any] = {"routing": spec.routing, "causal": spec.causal, "note": spec.note}
         if config.onnx:
             start = time.perf_counter()
             path = tmp / f"{spec.name}.onnx"
-            export_onnx(spec, program, path, config.opset)
-            fused = {} if config.opset_only else fuse_graph(path, model_config.n_heads, model_config.d_model)
+            with log.step(f"writing {path.name} (ONNX opset {config.opset})"):
+                export_onnx(spec, program, path, config.opset)
+            fused: dict[str, int] = {}
+            if not config.opset_only:
+                with log.step(f"fusing attention in {path.name}"):
+                    fused = fuse_graph(path, model_config.n_heads, model_config.d_model)
             seconds = export_s + time.perf_counter() - start
+            log(f"{path.name}: {path.stat().st_size / 1e6:.2f} MB, {seconds:.1f} s in all")
             histogram, inputs, outputs = onnx_summary(path)
             files.append(GraphFile(spec.name, "onnx", path.name, path.stat().st_size, seconds, histogram))
             info.update(kind="onnx", file=path.name, inputs=inputs, outputs=outputs,
@@ -300,8 +347,11 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
-    log("validating against eager PyTorch")
-    checks = validate_bundle(tmp, model, specs, config, providers, aoti_ok, text)
+    runners = f"onnxruntime {', '.join(providers)}" if config.onnx else "the exported programs"
+    with log.step(f"validating the {' and '.join(spec.name for spec in specs)} graphs against eager PyTorch "
+                  f"({runners})"):
+        checks = validate_bundle(tmp, model, specs, config, providers, aoti_ok, text)
+    log(f"  {len(checks)} checks, {sum(not c.passed for c in checks)} failed")
     steps, atol = config.decode_steps, float(config.atol)
     failures = [f"{c.graph} on {c.runner}, {c.case}: max |diff| {c.max_abs_diff:.3g} (atol {atol:g})"
                 + (f"; {c.detail}" if c.detail else "") for c in checks if not c.passed]

@@ -43,8 +43,14 @@ VERIFIED_FILES = ("model.safetensors", "optimizer.pt")
 """Files checked against the sha256 in the marker when they are read. config.json and state.json are checked by
 their contents instead, so that a config.json edited by hand is judged by what it says."""
 SLOW_SAVE_ENV = "MODCLI_TEST_SLOW_SAVE"
-"""Test hook, read from the environment only: seconds to pause before each step of a checkpoint save, so that a
-test can kill the writer at every moment of a save (tests/checkpoint/test_reliability.py)."""
+"""Test hook, read from the environment only: seconds to pause before each step of a checkpoint save (and of the
+publishing of an import's run folder or an export's folder), so that a test can kill the writer at every moment of a
+save (tests/checkpoint/test_reliability.py)."""
+
+
+def slow_save_pause() -> None:
+    """The SLOW_SAVE_ENV pause, for the other writers' `atomic.publish_folder(pause=...)`."""
+    _pause()
 
 
 def _pause() -> None:
@@ -77,10 +83,10 @@ def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state
             _pause()
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
     except BaseException as exc:
-        if _is_write_error(exc):
+        if is_write_error(exc):
             kept = complete_checkpoints(run_dir)
             intact = f"; the newest complete checkpoint, {kept[-1]}, is intact" if kept else ""
-            raise WriteFailed(f"cannot write checkpoint {final}: {_write_reason(exc, run_dir)}{intact}") from None
+            raise WriteFailed(f"cannot write checkpoint {final}: {write_reason(exc, run_dir)}{intact}") from None
         raise
     _pause()
     for stale in complete_checkpoints(run_dir)[:-keep]:
@@ -91,7 +97,7 @@ def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state
     return final
 
 
-def _is_write_error(exc: BaseException) -> bool:
+def is_write_error(exc: BaseException) -> bool:
     """A failure of the file system (disk full, permissions, I/O), as each writer reports it: OSError from Python,
     SafetensorError "I/O error" from safetensors, RuntimeError from torch.save's zip writer."""
     if isinstance(exc, OSError):
@@ -103,7 +109,7 @@ def _is_write_error(exc: BaseException) -> bool:
         marker in text for marker in ("PytorchStreamWriter", "inline_container", "file write failed"))
 
 
-def _write_reason(exc: BaseException, run_dir: Path) -> str:
+def write_reason(exc: BaseException, run_dir: Path) -> str:
     if isinstance(exc, OSError):
         reason = exc.strerror or str(exc)
         if exc.filename:
@@ -126,6 +132,23 @@ def clean_stale(run_dir: Path) -> list[str]:
     step has no folder is put back; every other temporary folder is deleted. Nothing named step-* is touched.
     """
     return atomic.clean_stale(run_dir, r"step-\d{8}", MARKER, STALE, restored="a save that was interrupted")
+
+
+RUN_FILES = re.compile(r"^(step-\d{8}|metrics\.jsonl|tensorboard)$")
+"""What marks a folder as a run's: a checkpoint (complete or not), its metrics or its TensorBoard folder."""
+
+
+def refuse_foreign_folder(run_dir: Path, command: str) -> None:
+    """A non-empty --out that is not a run folder (nothing in it a run writes) is not `command`'s to write into: a
+    UserError naming what it holds. Call after `clean_stale` (a killed save's leftovers are not the user's)."""
+    try:
+        names = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    except OSError as exc:
+        raise UserError(f"--out {run_dir}: cannot read it: {exc.strerror or exc}") from None
+    if names and not any(RUN_FILES.match(name) for name in names):
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UserError(f"--out {run_dir} is a non-empty folder that modcli {command} did not write (it holds "
+                        f"{shown}); pick another --out or an empty folder")
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:

@@ -8,7 +8,7 @@ import typer
 
 import modcli
 from modcli.commands import options
-from modcli.commands.common import stdout, subcommand
+from modcli.commands.common import stderr, stdout, subcommand
 from modcli.reports.console import key_value_table, print_json
 
 
@@ -16,14 +16,15 @@ from modcli.reports.console import key_value_table, print_json
 def import_command(
     ctx: typer.Context,
     source: options.Source,
-    out: options.Out,
+    out: options.ImportOut,
     seq_len: options.SeqLen = None,
     dtype: options.Dtype = None,
     json_output: options.Json = False,
 ) -> None:
     """Import a pretrained Hugging Face decoder (Llama, Mistral or Qwen2; safetensors) as a dense modcli run
     (weights, config, tokenizer)."""
-    result = modcli.import_model(options.build(modcli.ImportConfig, options.given(ctx)))
+    result = modcli.import_model(options.build(modcli.ImportConfig, options.given(ctx)),
+                                 log=lambda message: stderr.print(message, highlight=False, soft_wrap=True))
     if json_output:
         print_json(dataclasses.asdict(result))
         return

@@ -1,13 +1,19 @@
-"""`modcli tokenizer train`: a byte-level BPE tokenizer.json learned from a corpus' training split."""
+"""`modcli tokenizer train`: a byte-level BPE tokenizer.json learned from a corpus' training split.
+
+The file is written beside --out and renamed into place under --out's lock (modcli.checkpoint.lock, the one every
+writing command takes): never over a file that exists, even one that appeared while the tokenizer trained."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from modcli.checkpoint import atomic
+from modcli.checkpoint.lock import OutLock
 from modcli.config import DataConfig
 from modcli.data.corpus import load_corpus
-from modcli.errors import UserError
+from modcli.errors import UserError, WriteFailed
 
 
 @dataclass
@@ -44,12 +50,17 @@ class TokenizerTrainResult:
 
 def train_tokenizer(config: TokenizerTrainConfig) -> TokenizerTrainResult:
     """A byte-level BPE (every byte is a token, so any text encodes) trained on the corpus' training split."""
+    out = Path(config.out)
+    with OutLock(out, "tokenizer train"):
+        if os.path.lexists(out):
+            raise UserError(f"--out {out} exists; pick another path")
+        return _train(config, out)
+
+
+def _train(config: TokenizerTrainConfig, out: Path) -> TokenizerTrainResult:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    out = Path(config.out)
-    if out.exists():
-        raise UserError(f"--out {out} exists; pick another path")
     corpus = load_corpus(DataConfig(data=config.data, glob=config.glob), seq_len=2)
     raw = bytes(corpus.train[:config.max_bytes])
     lines = raw.decode("utf-8", errors="replace").splitlines(keepends=True)
@@ -59,8 +70,15 @@ def train_tokenizer(config: TokenizerTrainConfig) -> TokenizerTrainResult:
     trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tokenizer.train_from_iterator(lines, trainer, length=len(lines))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out))
+    try:
+        with atomic.publish_file(out) as tmp:
+            tokenizer.save(str(tmp))
+    except OSError as exc:
+        raise WriteFailed(f"cannot write {out}: {exc.strerror or exc}") from None
+    except Exception as exc:  # the tokenizers library reports a refused write as its own exception
+        if isinstance(exc, UserError) or "os error" not in str(exc).lower():
+            raise
+        raise WriteFailed(f"cannot write {out}: {' '.join(str(exc).split())[:300]}") from None
     validation = bytes(corpus.val[:1_000_000]).decode("utf-8", errors="replace")
     n_tokens = max(1, len(tokenizer.encode(validation).ids))
     return TokenizerTrainResult(str(out), tokenizer.get_vocab_size(), len(raw), corpus.description,

@@ -4,8 +4,13 @@ folder holding the dense model.
 A folder: config.json, model.safetensors or the shards a model.safetensors.index.json lists (never a pickle file),
 and tokenizer.json. A GGUF file (`modcli.pretrained.gguf`): its metadata as that config.json, its tensors
 dequantized to float, its tokenizer as a tokenizer.json. Writes RUN/step-00000000/ (a checkpoint like any other,
-the weights in --dtype) and RUN/tokenizer.json, so eval, generate and profile take RUN as they take a trained run,
-under the run folder's lock (as `modcli train` takes it). Nothing is downloaded and no code from the source runs.
+the weights in --dtype) and RUN/tokenizer.json, so eval, generate and profile take RUN as they take a trained run.
+Nothing is downloaded and no code from the source runs.
+
+RUN must not exist or be an empty folder (a folder holding the user's files is refused, never written into). It is
+written as `.tmp-RUN-PID/` beside RUN and renamed into place at the end, under --out's lock (modcli.checkpoint.lock,
+the one every writing command takes), so a killed import leaves no RUN, and the next command writing RUN removes
+what it left (and a `RUN/.modcli.lock` or `.tmp-step-*` an import killed before this rule left inside RUN).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from modcli.checkpoint.lock import RunLock, run_lock_path
-from modcli.checkpoint.store import complete_checkpoints, save_checkpoint
+from modcli.checkpoint import atomic
+from modcli.checkpoint.lock import OutLock
+from modcli.checkpoint.store import clean_stale, complete_checkpoints, save_checkpoint, slow_save_pause
 from modcli.config import DataConfig, RunConfig, TrainConfig, require
-from modcli.errors import UserError
+from modcli.data.tokenizer import check_tokenizer_json
+from modcli.errors import UserError, WriteFailed
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.decoder import MoDDecoder
 from modcli.pretrained.adapters import ADAPTERS
@@ -36,7 +43,7 @@ class ImportConfig:
     """A Hugging Face model folder (config.json, model.safetensors or its index and shards, tokenizer.json), or a
     llama.cpp GGUF file (Llama, Mistral, Qwen2)."""
     out: str
-    """Run folder to write (must hold no checkpoint)."""
+    """Run folder to write (must not exist, or be empty)."""
     seq_len: int | None = None
     """modcli's context length for the run; default min(max_position_embeddings, 1024)."""
     dtype: str = "float32"
@@ -58,35 +65,66 @@ class ImportResult:
     tokenizer: str
 
 
-def import_model(config: ImportConfig) -> ImportResult:
-    """Import `config.source` into `config.out`; every user mistake is a UserError and nothing is written then."""
+def import_model(config: ImportConfig, log: Callable[[str], None] | None = None) -> ImportResult:
+    """Import `config.source` into `config.out`; every user mistake is a UserError and nothing is written then.
+    `log` gets the notes (a stale lock taken over, what a killed import left removed)."""
+    log = log or (lambda message: None)
     source, out = Path(config.source), Path(config.out)
     if not source.exists():
         raise UserError(f"no such model folder or GGUF file: {source}")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a run folder")
-    lock = RunLock(run_lock_path(out), "import", out)
-    if not out.exists():
-        lock.remove_empty = out
-    lock.acquire()
+    lock = OutLock(out, "import", kind="run folder")
+    for note in lock.acquire():
+        log(note)
     try:
-        if complete_checkpoints(out):
-            raise UserError(f"--out {out} already holds checkpoints; pick another --out")
-        return _import(config, source, out)
+        for note in clean_stale(out):  # a killed import of an older modcli left its checkpoint's temporary folder
+            log(note)
+        _check_empty(out)
+        return _import(config, source, out, atomic.folder_state(out))
     finally:
         lock.release()
 
 
-def _import(config: ImportConfig, source: Path, out: Path) -> ImportResult:
+def _check_empty(out: Path) -> None:
+    """--out must not exist or be empty: an import never writes into a folder that holds anything."""
+    if complete_checkpoints(out):
+        raise UserError(f"--out {out} already holds checkpoints; pick another --out")
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UserError(f"--out {out} is not empty (it holds {shown}); import writes a new run folder: pick another "
+                        "--out or an empty folder")
+
+
+def _publish_run(out: Path, checked: tuple | None, tokenizer: str, model: MoDDecoder, run: RunConfig,
+                 state_json: dict) -> Path:
+    """Write the run folder beside `out` and rename it into place (over nothing but the empty folder checked)."""
+    try:
+        with atomic.publish_folder(out, expect=checked, pause=slow_save_pause) as tmp:
+            (tmp / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
+            checkpoint = save_checkpoint(tmp, 0, model, None, run, state_json, keep=1)
+    except WriteFailed as exc:  # it names the temporary folder: name the run
+        raise WriteFailed(str(exc).replace(str(atomic.temporary_path(out, "tmp")), str(out))) from None
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise WriteFailed(f"cannot write the run {out}: {exc.strerror or exc}{where}") from None
+    return out / checkpoint.name
+
+
+def _import(config: ImportConfig, source: Path, out: Path, checked: tuple | None) -> ImportResult:
     if source.is_dir():
-        hf, tensor_names, tensor, tokenizer = _read_folder(source)
+        hf, shapes, tensor, tokenizer = _read_folder(source)
+        origin, field_names = str(source / "config.json"), None
     else:
         gguf_model = read_gguf(source)
-        hf, tensor_names, tensor, tokenizer = (gguf_model.config, gguf_model.tensor_names, gguf_model.tensor,
-                                               gguf_model.tokenizer_json)
+        hf, shapes, tensor, tokenizer = (gguf_model.config, gguf_model.tensor_shapes, gguf_model.tensor,
+                                         gguf_model.tokenizer_json)
+        origin, field_names = str(source), gguf_model.field_names
     architecture = hf["architectures"][0]
     adapter = ADAPTERS[architecture]
-    model_config = adapter.model_config(hf, config.seq_len, tensor_names)
+    # the config's types and ranges, every tensor's shape and the tokenizer's ids, before anything is built
+    model_config = adapter.model_config(hf, config.seq_len, shapes, origin)
+    adapter.check_shapes(model_config, shapes, str(source), field_names)
+    check_tokenizer_json(tokenizer, model_config.vocab_size, str(source))
     state = {name: value.to(TORCH_DTYPES[config.dtype]) for name, value in adapter.state_dict(model_config,
                                                                                                tensor).items()}
     with torch.device("meta"):
@@ -101,19 +139,23 @@ def _import(config: ImportConfig, source: Path, out: Path) -> ImportResult:
         model.head.weight = model.embed.weight
     run = RunConfig(model=model_config, data=DataConfig(tokenizer="tokenizer.json"),
                     train=TrainConfig(out=str(out), dtype="float32"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
     state_json = {"step": 0, "tokens": 0, "flops": 0.0, "elapsed_s": 0.0, "imported_from": str(source.resolve()),
                   "architecture": architecture}
-    checkpoint = save_checkpoint(out, 0, model, None, run, state_json, keep=1)
+    checkpoint = _publish_run(out, checked, tokenizer, model, run, state_json)
     return ImportResult(str(out), str(checkpoint), architecture, model.num_parameters(), model_config.vocab_size,
                         model_config.seq_len, "tokenizer.json")
 
 
-def _read_folder(source: Path) -> tuple[dict, set[str], Callable[[str], torch.Tensor], str]:
-    """A Hugging Face folder's (config.json, tensor names, tensor(name), tokenizer.json text)."""
+def _read_folder(source: Path) -> tuple[dict, dict[str, tuple[int, ...]], Callable[[str], torch.Tensor], str]:
+    """A Hugging Face folder's (config.json, each tensor's shape by name, tensor(name), tokenizer.json text)."""
     hf = _read_json(source / "config.json")
-    architecture = (hf.get("architectures") or ["(none)"])[0]
+    if not isinstance(hf, dict):
+        raise UserError(f"{source / 'config.json'}: must hold a JSON object (the model's settings), got a "
+                        f"{type(hf).__name__}")
+    architectures = hf.get("architectures") or ["(none)"]
+    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+        raise UserError(f"{source / 'config.json'}: architectures must be a list of names, got {architectures!r}")
+    architecture = architectures[0]
     if architecture not in ADAPTERS:
         raise UserError(f"{source}: architecture {architecture} is not supported; supported: {', '.join(ADAPTERS)}")
     files = _weight_files(source)
@@ -126,7 +168,13 @@ def _read_folder(source: Path) -> tuple[dict, set[str], Callable[[str], torch.Te
             raise UserError(f"{source}: tensor {name} is missing from {', '.join(sorted({p.name for p in handles}))}")
         return handles[files[name]].get_tensor(name)
 
-    return hf, set(files), tensor, (source / "tokenizer.json").read_text(encoding="utf-8")
+    shapes = {}
+    for name, path in files.items():
+        try:
+            shapes[name] = tuple(handles[path].get_slice(name).get_shape())
+        except Exception:  # safetensors' own error type: a name the index lists that its shard lacks
+            raise UserError(f"{path}: tensor {name} is not in the file (the index lists it there)") from None
+    return hf, shapes, tensor, (source / "tokenizer.json").read_text(encoding="utf-8")
 
 
 def _read_json(path: Path) -> dict:

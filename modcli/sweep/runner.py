@@ -35,30 +35,40 @@ Every point is resolved with `resolve_run_config` and checked (a budget that pay
 an unknown key) before anything trains, so a mistake exits with code 2 and no run started. An interrupted sweep
 continues where it stopped: points in `results.jsonl` are skipped, a run whose last checkpoint reached its budget is
 evaluated without training, a partial run resumes from its newest checkpoint.
+
+The sweep folder is checked and locked as every command's --out is (modcli.checkpoint.lock): a file, a path under a
+file or a folder that cannot be written is one line, exit code 2; a non-empty folder that is not a sweep's is
+refused; several `modcli sweep` processes share the folder's lock, any other command writing it is refused. The
+folder keeps the grid it was started with (`grid.toml`): a second sweep into it with a grid that differs is refused
+(copy the new grid over `grid.toml` to extend the sweep on purpose); the same grid continues it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import json
 import math
 import statistics
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
 
+from modcli.checkpoint import atomic
+from modcli.checkpoint.lock import OutLock
 from modcli.checkpoint.store import complete_checkpoints, read_state
 from modcli.config import RunConfig, resolve_run_config
 from modcli.data.corpus import load_corpus
 from modcli.data.tokenizer import ByteTokenizer
-from modcli.errors import TrainingDiverged, UserError
+from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.evaluation.perplexity import EvalConfig, evaluate
 from modcli.models.build import build_model
 from modcli.profiling.profile import ProfileConfig, profile
-from modcli.reports.console import stderr_console
+from modcli.reports.console import read_metrics_file, stderr_console
 from modcli.reports.plots import frontier_plot, isoflop_plot
 from modcli.sweep.analysis import isoflop_analysis
 from modcli.sweep.grid import (
@@ -192,8 +202,7 @@ def train_point(point: GridPoint, verbose: bool = False) -> dict[str, Any]:
     train_loss = None
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            record = json.loads(line)
+        for record in read_metrics_file(metrics)[0]:  # a last line cut short by a kill is dropped
             if record.get("step") == state["step"]:
                 train_loss = record.get("loss")
     return {"checkpoint": str(found[-1]), "steps": state["step"], "tokens": state["tokens"],
@@ -268,14 +277,59 @@ def run_sweep(config: SweepConfig, quiet: bool = False) -> SweepResult:
         return SweepResult(str(out), grid.path, len(points), [], [], runs, {}, {}, time.perf_counter() - started,
                            dry_run=True)
 
-    results = read_results(out)
+    lock = OutLock(out, "sweep", kind="sweep folder", shared=True, in_place=True)
+    for note in lock.acquire():
+        log(note)
+    try:
+        return _sweep(config, grid, points, out, log, started)
+    finally:
+        lock.release()
+
+
+SWEEP_FILES = ("grid.toml", RESULTS, RUNS, LOCKS)
+"""What marks a folder as a sweep's."""
+
+
+def check_sweep_folder(out: Path, grid_path: Path, report_only: bool) -> None:
+    """--out (locked) is a new or empty folder, or a sweep of this grid; anything else is a UserError."""
+    try:
+        names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot read it: {exc.strerror or exc}") from None
+    if names and not any(name in SWEEP_FILES for name in names):
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UserError(f"--out {out} is a non-empty folder that is not a sweep's (it holds {shown}, no grid.toml or "
+                        f"{RESULTS}); pick another --out or an empty folder")
+    saved = out / "grid.toml"
+    if report_only or not saved.exists() or saved.resolve() == grid_path.resolve():
+        return
+    try:
+        same = tomllib.loads(saved.read_text()) == tomllib.loads(grid_path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        same = False
+    if not same:
+        raise UserError(f"--out {out} holds a sweep of another grid ({saved} differs from {grid_path}): pick another "
+                        f"--out, or copy {grid_path} over {saved} to extend that sweep with it")
+
+
+def _sweep(config: SweepConfig, grid: Grid, points: list[GridPoint], out: Path, log, started: float) -> SweepResult:
+    check_sweep_folder(out, Path(config.grid), config.report_only)
+    damaged: list[str] = []
+    results = read_results(out, damaged)
+    for note in damaged:  # a hand-edited or damaged results.jsonl line: skipped, its point run again
+        log(note)
     if config.report_only:
         if not results:
             raise UserError(f"{out / RESULTS} holds no run yet: nothing to report")
         todo: list[GridPoint] = []
     else:
-        (out / LOCKS).mkdir(parents=True, exist_ok=True)
-        (out / "grid.toml").write_text(Path(config.grid).read_text())
+        try:
+            (out / LOCKS).mkdir(parents=True, exist_ok=True)
+            if not (out / "grid.toml").exists():
+                atomic.write_file(out / "grid.toml", [Path(config.grid).read_bytes()])
+        except OSError as exc:  # a read-only place is the user's to change; a full disk is not
+            error = UserError if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else WriteFailed
+            raise error(f"--out {out}: cannot write {exc.filename or out}: {exc.strerror or exc}") from None
         todo = [p for p in points if not is_done(results.get(p.name), p, config.profile)]
     skipped = [p.name for p in points if is_done(results.get(p.name), p, config.profile)]
     log(f"sweep of {len(points)} runs ({len(grid.budgets)} budgets x {len(grid.sizes)} sizes x {len(grid.variants)} "

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from modcli.checkpoint.lock import RunLock, run_lock_path
+from modcli.checkpoint.lock import OutLock
 from modcli.checkpoint.store import (
     check_config_values,
     check_weights_file,
@@ -35,6 +34,7 @@ from modcli.checkpoint.store import (
     read_config,
     read_optimizer_state,
     read_state,
+    refuse_foreign_folder,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -48,7 +48,7 @@ from modcli.models.build import build_model
 from modcli.models.decoder import MoDDecoder
 from modcli.models.moe import balance_hash_tables
 from modcli.models.routing.calibration import calibrate_causal_rules
-from modcli.reports.console import MetricsLog, StepProgress, stderr_console
+from modcli.reports.console import MetricsLog, StepProgress, read_metrics_file, stderr_console
 from modcli.training import distributed
 from modcli.training.distributed import DistributedContext
 from modcli.training.objective import (
@@ -65,6 +65,7 @@ from modcli.training.schedule import (
     expert_capacity_factor_at,
     learning_rate,
     make_optimizer,
+    router_parameter_names,
     step_flops,
     total_steps,
 )
@@ -200,6 +201,10 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     existing = complete_checkpoints(run_dir)
     if tc.resume and not existing:
         raise UserError(f"--resume: no complete checkpoint in {run_dir}")
+    metrics_note = None
+    if tc.resume and context.is_main and (run_dir / "metrics.jsonl").is_file():
+        # A last line cut short by a kill is dropped (a note); a damaged line before it stops here, before any work.
+        _, metrics_note = read_metrics_file(run_dir / "metrics.jsonl")
     if not tc.resume and existing:
         raise UserError(f"--out {run_dir} already holds checkpoints; pass --resume to continue or pick another --out")
     if tc.dtype == "float16" and (context.device.type == "cpu" or tc.parallel == "fsdp"):
@@ -229,8 +234,8 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     elif init is not None:
         original, _, _ = load_model_from(init, context.device)
         init_val_loss = validation_losses(original, corpus, config, context, validation_modes(original)[:1])["val_loss"]
+        _load_for_conversion(model, original, init)
         del original
-        _load_for_conversion(model, init)
     freeze_for(model, tc.trainable)
     check_objective(model, tc, context.world_size)
     model = model.to(context.device)
@@ -242,7 +247,7 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
     scaler = torch.amp.GradScaler(context.device.type, enabled=tc.dtype == "float16")
     prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss,
-                         calibration=calibration, notes=[table_note] if table_note else [])
+                         calibration=calibration, notes=[note for note in (table_note, metrics_note) if note])
     torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
     if resume_state is not None:
         newest = existing[-1]
@@ -303,21 +308,21 @@ def _read_resume_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
-def lock_run_folder(run_dir: Path) -> tuple[RunLock, list[str]]:
-    """Take the run folder's lock (a second `modcli train` into it is refused) and tidy what a killed save left;
-    returns the lock and the notes to print."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--out {run_dir} is a file, not a run folder")
-    created = not run_dir.exists()
-    lock = RunLock(run_lock_path(run_dir), "train", run_dir)
-    note = lock.acquire()
-    if created:
-        lock.remove_empty = run_dir
+def lock_run_folder(run_dir: Path) -> tuple[OutLock, list[str]]:
+    """Take --out's lock (modcli.checkpoint.lock: any other command writing it is refused), tidy what a killed save
+    left, and refuse a non-empty folder that is not a run; returns the lock and the notes to print."""
+    lock = OutLock(run_dir, "train", kind="run folder", in_place=True)
+    notes = lock.acquire()
     try:
-        return lock, ([note] if note else []) + clean_stale(run_dir)
+        notes += clean_stale(run_dir)
+        refuse_foreign_folder(run_dir, "train")
     except OSError as exc:
         lock.release()
         raise UserError(f"--out {run_dir}: cannot clean up temporary folders: {exc.strerror or exc}") from None
+    except BaseException:
+        lock.release()
+        raise
+    return lock, notes
 
 
 def _check_init_from(saved: RunConfig, config: RunConfig, checkpoint: Path) -> None:
@@ -351,24 +356,31 @@ def _run_tokenizer(config: RunConfig, init: Path | None, context: DistributedCon
     return tokenizer
 
 
-def _load_for_conversion(model: MoDDecoder, checkpoint: Path) -> None:
-    """The weights of `checkpoint` into `model`, whose routers (if any) are new and keep their initialisation."""
-
-    state = {name: tensor for name, tensor in load_file(str(checkpoint / "model.safetensors")).items()
-             if ".router." not in name}  # a router of another kind (or none) in the original: start afresh
+def _load_for_conversion(model: MoDDecoder, original: MoDDecoder, checkpoint: Path) -> None:
+    """The weights of `original` (the model of `checkpoint`, as loaded from it: names of older files renamed) into
+    `model`, whose routers (if any) are new and keep their initialisation: the original's routers
+    (`router_parameter_names`, of another kind or none) are not carried over."""
+    skip = router_parameter_names(original)
+    state = {name: tensor for name, tensor in original.state_dict().items() if name not in skip}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [name for name in missing if ".router." not in name and name != "head.weight"]
+    routers = router_parameter_names(model)
+    missing = [name for name in missing if name not in routers and name != "head.weight"]
     if missing or unexpected:
         raise UserError(f"--init-from: {checkpoint} does not fit (missing {missing}, unexpected {unexpected})")
 
 
 def freeze_for(model: torch.nn.Module, trainable: str) -> None:
-    """--trainable: all; routers (their parameters and predictors only); routers+norms (and the RMSNorm weights)."""
+    """--trainable: all; routers (their parameters and predictors only: `router_parameter_names`); routers+norms
+    (and the RMSNorm weights). A model with nothing of the kind asked for to train is a UserError."""
+    if trainable == "all":
+        return
+    routers = router_parameter_names(model)
     for name, param in model.named_parameters():
-        if trainable == "routers":
-            param.requires_grad_(".router." in name)
-        elif trainable == "routers+norms":
-            param.requires_grad_(".router." in name or name.endswith("norm.weight"))
+        param.requires_grad_(name in routers or (trainable == "routers+norms" and name.endswith("norm.weight")))
+    if not any(param.requires_grad for param in model.parameters()):
+        kind = getattr(getattr(model, "config", None), "kind", "this model")
+        raise UserError(f"--trainable {trainable}: the model ({kind}) has no router parameters to train; use "
+                        "--trainable all, or a router with parameters")
 
 
 def train(config: RunConfig, quiet: bool = False) -> TrainResult:

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from modcli.checkpoint.lock import RunLock, run_lock_path, sibling_lock_path
+from modcli.checkpoint.lock import OutLock, RunLock, out_lock_path, run_lock_path, sibling_lock_path
 from modcli.checkpoint.store import SLOW_SAVE_ENV, complete_checkpoints, load_model_from, resolve_checkpoint
 from modcli.cli import app
 from modcli.errors import UserError
@@ -78,6 +78,11 @@ def _cli_child(argv: list[str], env: dict[str, str], log: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     torch.set_num_threads(1)  # these models are tiny: one thread is fastest, and the same as the parent's
+    if "MODCLI_TEST_NO_TRANSFORMERS" in env:  # export --hf without loading the folder back (the check is slow)
+        import importlib.util
+
+        find_spec = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *args: None if name == "transformers" else find_spec(name, *args)
     if "MODCLI_TEST_FSIZE_LIMIT" in env:  # a real failed write: files may not grow past this many bytes
         import resource
 
@@ -232,8 +237,9 @@ def test_a_run_killed_with_its_lock_is_taken_over_and_a_live_one_refuses_a_secon
     while not (complete_checkpoints(out) and list(out.glob(".tmp-step-*"))):  # saved once, saving again
         assert first.is_alive() and time.time() < deadline, log.read_text()
         time.sleep(0.01)
-    lock = json.loads(run_lock_path(out).read_text())
+    lock = json.loads(out_lock_path(out).read_text())
     assert lock["pid"] == first.pid and lock["command"] == "train"
+    assert not run_lock_path(out).exists()  # beside the run folder, not in it
 
     started = time.perf_counter()
     for args in (train_args(corpus_file, out, steps=3), ["train", "--out", str(out), "--resume"]):
@@ -247,7 +253,7 @@ def test_a_run_killed_with_its_lock_is_taken_over_and_a_live_one_refuses_a_secon
     result = runner.invoke(app, ["train", "--out", str(out), "--resume"])
     assert result.exit_code == 0, result.output
     assert f"took over the stale lock of modcli train (pid {first.pid}" in result.stderr
-    assert not run_lock_path(out).exists()  # released on exit
+    assert not out_lock_path(out).exists()  # released on exit
 
 
 def test_a_second_export_into_the_same_out_is_refused(trained_run, tmp_path, runner):
@@ -336,6 +342,46 @@ def test_a_failed_bundle_write_is_one_line_and_leaves_nothing(trained_run, tmp_p
     assert list(tmp_path.iterdir()) == []  # no bundle, no temporary folder, no lock
 
 
+def test_export_says_what_it_does_with_the_elapsed_seconds_and_json_stays_clean(
+        trained_run, tmp_path, runner, monkeypatch):
+    """Exporting the tiny preset takes minutes (the decode graph's torch.export most of it): every step is a line on
+    stderr with the seconds since the start, a step still running says so every `heartbeat_s`; --json prints only
+    its one object. The graph builders are replaced by instant fakes: this is about the lines, not the graphs."""
+    import modcli.bundle.writer as export_bundle
+    from modcli.bundle.validation import Check
+
+    def slow_export_program(spec):
+        time.sleep(0.05)
+        return object()
+
+    monkeypatch.setattr(export_bundle, "export_program", slow_export_program)
+    monkeypatch.setattr(export_bundle, "export_onnx", lambda spec, program, path, opset: path.write_bytes(b"onnx"))
+    monkeypatch.setattr(export_bundle, "fuse_graph", lambda path, heads, width: {})
+    monkeypatch.setattr(export_bundle, "write_cache_writer", lambda path, dtype, opset: path.write_bytes(b"onnx"))
+    monkeypatch.setattr(export_bundle, "onnx_summary", lambda path: ({}, [], []))
+    monkeypatch.setattr(export_bundle, "validate_bundle",
+                        lambda *args: [Check("forward", "cpu", "fake", 0.0, True, None, True)])
+    monkeypatch.setattr(export_bundle.Progress, "heartbeat_s", 0.01)
+    result = runner.invoke(app, ["export", str(trained_run), "--out", str(tmp_path / "bundle"), "--provider", "cpu"])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert all(re.match(r"^\[ *\d+\.\d s\] ", line) for line in lines), lines
+    said = "\n".join(lines)
+    for step in ("exporting the forward graph (topk routing): torch.export", "still exporting the forward graph",
+                 "writing forward.onnx (ONNX opset 18)", "fusing attention in forward.onnx", "forward.onnx: ",
+                 "exporting the decode graph (router routing): torch.export", "writing decode.onnx",
+                 "validating the forward and decode graphs against eager PyTorch (onnxruntime cpu)",
+                 "1 checks, 0 failed", f"publishing {tmp_path / 'bundle'}"):
+        assert step in said, (step, said)
+        said = said[said.index(step):]  # in this order
+    assert re.search(r"took \d+\.\d s", result.stderr)
+
+    result = runner.invoke(app, ["export", str(trained_run), "--out", str(tmp_path / "quiet"), "--provider", "cpu",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "" and json.loads(result.stdout)["valid"] is True
+
+
 # ----------------------------------------------------------------------------------------------- the atomic publish
 
 
@@ -385,13 +431,373 @@ def test_what_a_killed_export_left_is_removed_and_a_displaced_bundle_is_put_back
     (tmp_path / ".old-bundle-123" / "manifest.json").write_text("{}")
     (tmp_path / ".tmp-other-123").mkdir()  # another bundle's: not this export's business
     notes: list[str] = []
-    with export_lock(out, "manifest.json", notes.append):  # what both exports run before anything else
+    with export_lock(out, notes.append):  # what both exports run before anything else
         pass
     assert notes == [f"note: restored {out} from .old-bundle-123, left by an interrupted export --force",
                      f"note: removed the stale temporary folder {tmp_path / '.tmp-bundle-123'} (an interrupted "
-                     "export)"]
+                     "modcli command writing it)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-other-123", "bundle"]
     assert (out / "manifest.json").is_file()
+
+
+# ----------------------------------------------------------------------------------------------- one rule for every --out
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory) -> Path:
+    """A tiny Hugging Face Llama folder for `modcli import` (made offline with transformers)."""
+    pytest.importorskip("transformers")
+    from tests.pretrained.test_pretrained import save_tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("hf-source") / "llama"
+    save_tiny_hf_model("llama", folder)
+    return folder
+
+
+def beside(out: Path) -> list[str]:
+    """What is in the folder holding `out`: OUT itself, and nothing a writer works in (`.tmp-`, `.old-`, a lock)."""
+    return sorted(p.name for p in out.parent.iterdir())
+
+
+def without_transformers(monkeypatch) -> None:
+    """`export --hf` without loading the folder back in transformers (slow, and not what these tests are about)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "transformers" else find_spec(name, *args))
+
+
+def test_every_writing_command_is_refused_while_another_holds_its_out(trained_run, corpus_file, tmp_path, runner):
+    """The issue's two races (`export --hf` then `import`/`train` into the same --out) and every other pair: one lock
+    per --out, whichever command holds it, refused at once with one line naming the holder; nothing written."""
+    from tests.sweep.test_sweep import write_grid
+
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    out = tmp_path / "out"
+    commands = {
+        "train": train_args(corpus_file, out),
+        "import": ["import", str(trained_run), "--out", str(out)],
+        "export": ["export", str(trained_run), "--out", str(out)],
+        "export --hf": ["export", str(trained_run), "--hf", "--out", str(out)],
+        "sweep": ["sweep", str(grid), "--out", str(out)],
+        "tokenizer train": ["tokenizer", "train", "--data", str(corpus_file), "--out", str(out)],
+    }
+    for holder in ("export", "import", "train", "sweep"):
+        with OutLock(out, holder, shared=holder == "sweep"):
+            for name, args in commands.items():
+                if name == holder == "sweep":
+                    continue  # sweeps share a folder (below)
+                result = runner.invoke(app, args)
+                assert_one_line_error(result, 2, f"--out {out} is in use by modcli {holder} (pid {os.getpid()}")
+                assert beside(out) == [".out.modcli.lock", "grid.toml"], (holder, name)
+    assert beside(out) == ["grid.toml"]
+
+    # A run still held by a modcli from before this rule (its lock inside the run folder) is refused too.
+    out.mkdir()
+    with RunLock(run_lock_path(out), "train", out):
+        result = runner.invoke(app, ["export", str(trained_run), "--hf", "--out", str(out)])
+        assert_one_line_error(result, 2, f"--out {out} is in use by modcli train (pid {os.getpid()}")
+
+
+def test_sweeps_share_a_folder_that_no_other_command_may_write(tmp_path):
+    out = tmp_path / "sweep"
+    with OutLock(out, "sweep", shared=True), OutLock(out, "sweep", shared=True):
+        with pytest.raises(UserError, match=r"is in use by modcli sweep"):
+            OutLock(out, "train").acquire()
+    with OutLock(out, "train"), pytest.raises(UserError, match=r"is in use by modcli train"):
+        OutLock(out, "sweep", shared=True).acquire()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_publishing_never_replaces_a_folder_that_appeared_or_changed(tmp_path, monkeypatch):
+    from modcli.checkpoint import atomic
+
+    final = tmp_path / "folder"
+    for plain_rename in (False, True):  # renameat2(RENAME_NOREPLACE), and the check-then-rename elsewhere
+        if plain_rename:
+            monkeypatch.setattr(atomic, "_renameat2_fn", None)
+        # Nothing there when checked; an empty folder appears (a plain rename would replace it).
+        with pytest.raises(atomic.FolderChanged, match="was created by another program after this command checked"), \
+                atomic.publish_folder(final, expect=None) as tmp:
+            (tmp / "a.bin").write_bytes(b"ours")
+            final.mkdir()
+        assert beside(final) == ["folder"] and list(final.iterdir()) == []
+        # A folder checked, then changed.
+        checked = atomic.folder_state(final)
+        with pytest.raises(atomic.FolderChanged, match="was changed by another program"), \
+                atomic.publish_folder(final, expect=checked) as tmp:
+            (tmp / "a.bin").write_bytes(b"ours")
+            (final / "theirs.txt").write_text("theirs")
+        assert beside(final) == ["folder"] and [p.name for p in final.iterdir()] == ["theirs.txt"]
+        # Unchanged since the check: replaced.
+        with atomic.publish_folder(final, expect=atomic.folder_state(final)) as tmp:
+            (tmp / "a.bin").write_bytes(b"ours")
+        assert beside(final) == ["folder"] and [p.name for p in final.iterdir()] == ["a.bin"]
+        shutil.rmtree(final)
+
+    # A file (tokenizer train, and a coming export --gguf): the same rule.
+    final = tmp_path / "tokenizer.json"
+    with pytest.raises(atomic.FolderChanged, match="was created by another program"), \
+            atomic.publish_file(final) as tmp:
+        tmp.write_text("ours")
+        final.write_text("theirs")
+    assert final.read_text() == "theirs" and beside(final) == ["tokenizer.json"]
+    with pytest.raises(atomic.FolderChanged, match="was changed by another program"), \
+            atomic.publish_file(final, expect=atomic.folder_state(final)) as tmp:
+        tmp.write_text("ours")
+        final.write_text("theirs, edited")
+    with atomic.publish_file(final, expect=atomic.folder_state(final)) as tmp:
+        tmp.write_text("ours")
+    assert final.read_text() == "ours" and beside(final) == ["tokenizer.json"]
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new", "force"])
+@pytest.mark.parametrize("kind", ["onnx", "hf"])
+def test_an_export_never_replaces_what_appeared_at_its_out_after_the_check(
+        kind, force, trained_run, tmp_path, runner, monkeypatch):
+    import modcli.bundle.hf.writer as hf_writer
+    import modcli.bundle.writer as onnx_writer
+
+    out = tmp_path / "bundle"
+    if force:  # an earlier export, which --force may replace, as it was when checked
+        out.mkdir()
+        (out / "manifest.json").write_text("{}")
+        (out / "config.json").write_text(json.dumps({hf_writer.MARKER_KEY: {}}))
+    before = snapshot(tmp_path)
+
+    def another_program_writes_out(tmp, *args, **kwargs):
+        (tmp / "model.safetensors").write_bytes(b"ours")
+        out.mkdir(exist_ok=True)
+        (out / "theirs.txt").write_text("theirs")
+
+    if kind == "onnx":
+        monkeypatch.setattr(onnx_writer, "_write_bundle", another_program_writes_out)
+    else:
+        monkeypatch.setattr(hf_writer, "_write_folder", another_program_writes_out)
+        without_transformers(monkeypatch)
+    args = ["export", str(trained_run), "--out", str(out)] + (["--hf"] if kind == "hf" else []) + \
+        (["--force"] if force else [])
+    result = runner.invoke(app, args)
+    assert_one_line_error(result, 2, f"--out {out} was {'changed' if force else 'created'} by another program after "
+                                     "this command checked it; it is left as it is and nothing was written there",
+                          at_start=False)  # after the progress lines
+    assert beside(out) == ["bundle"]  # no temporary folder, no lock
+    assert snapshot(tmp_path) == {**before, "bundle/theirs.txt": snapshot(tmp_path)["bundle/theirs.txt"]}
+
+
+def test_a_non_empty_folder_modcli_did_not_write_is_refused(trained_run, corpus_file, tmp_path, runner):
+    """`import` into a folder holding the user's own tokenizer.json (the issue's case) and the same rule elsewhere."""
+    from tests.sweep.test_sweep import write_grid
+
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text('{"mine": true}')
+    (mine / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    cases = [
+        (["import", str(trained_run), "--out", str(mine)],
+         f"--out {mine} is not empty (it holds notes.txt, tokenizer.json); import writes a new run folder"),
+        (train_args(corpus_file, mine), f"--out {mine} is a non-empty folder that modcli train did not write (it "
+                                        "holds notes.txt, tokenizer.json)"),
+        (["sweep", str(grid), "--out", str(mine)], f"--out {mine} is a non-empty folder that is not a sweep's"),
+        (["export", str(trained_run), "--out", str(mine), "--force"], "not a modcli bundle); refusing to delete it"),
+        (["export", str(trained_run), "--hf", "--out", str(mine), "--force"], "refusing to delete it"),
+        (["import", str(trained_run), "--out", str(trained_run)], "already holds checkpoints"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, args)
+        assert_one_line_error(result, 2, message)
+        assert snapshot(tmp_path) == before, args
+
+
+@pytest.mark.parametrize("left", ["lock-only", "lock-and-partial-weights"])
+def test_an_import_into_a_folder_a_killed_import_left_works(left, hf_source, tmp_path, runner):
+    """An import killed before this rule left `RUN/.modcli.lock` (and its checkpoint's `.tmp-step-*` weights) inside
+    the run folder: the next import removes them, says so, and writes a clean run."""
+    out = tmp_path / "run"
+    out.mkdir()
+    run_lock_path(out).write_text(json.dumps({"pid": 999999, "host": "gone", "command": "import",
+                                              "started_unix": 1.5}))
+    if left == "lock-and-partial-weights":
+        (out / ".tmp-step-00000000-999999").mkdir()
+        (out / ".tmp-step-00000000-999999" / "model.safetensors").write_bytes(b"half the weights")
+    result = runner.invoke(app, ["import", str(hf_source), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"removed {run_lock_path(out)}, the stale lock of modcli import (pid 999999 on gone" in result.stderr
+    if left == "lock-and-partial-weights":
+        assert f"removed the stale temporary folder {out / '.tmp-step-00000000-999999'}" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["step-00000000", "tokenizer.json"]
+    assert beside(out) == ["run"]
+    load_model_from(out)
+
+
+IMPORT_STAGES = {
+    # stage: what is on disk when the import is killed there (the run is written beside --out, then renamed)
+    "run-folder": lambda tmp: True,
+    "weights": lambda tmp: any((step / "model.safetensors").exists() for step in tmp.glob(".tmp-step-*")),
+    "checkpoint": lambda tmp: (tmp / "step-00000000" / "COMPLETE").exists(),
+}
+
+
+@pytest.mark.slow
+def test_a_killed_import_leaves_no_run_and_the_next_import_cleans_up(forkserver, hf_source, tmp_path, runner):
+    reference = tmp_path / "reference"
+    assert runner.invoke(app, ["import", str(hf_source), "--out", str(reference)]).exit_code == 0
+    for i, (stage, reached) in enumerate(IMPORT_STAGES.items()):
+        out, log = tmp_path / f"kill-{i}" / "run", tmp_path / f"kill-{i}.log"
+        process = start_child(forkserver, ["import", str(hf_source), "--out", str(out)], log,
+                              **{SLOW_SAVE_ENV: "0.2"})
+        deadline = time.time() + 60
+        while not any(reached(tmp) for tmp in out.parent.glob(".tmp-run-*")):
+            assert process.is_alive() and time.time() < deadline, log.read_text()
+            time.sleep(0.002)
+        process.kill()
+        process.join()
+        assert not out.exists(), stage  # a killed import leaves no run folder, half or whole
+        assert [name for name in beside(out) if name.startswith(".tmp-run-")], stage
+        result = runner.invoke(app, ["import", str(hf_source), "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert "took over the stale lock of modcli import" in result.stderr
+        assert "removed the stale temporary folder" in result.stderr
+        assert beside(out) == ["run"]
+        assert sorted(p.name for p in out.iterdir()) == ["step-00000000", "tokenizer.json"]
+        assert same_weights(out / "step-00000000", reference / "step-00000000")
+
+
+HF_STAGES = ("writing", "written", "displaced")
+"""Moments of `export --hf`: its folder being written beside --out, written and about to be renamed, and (with
+--force) the earlier export moved aside but the new one not yet in its place."""
+
+
+@pytest.mark.slow
+def test_a_killed_export_hf_leaves_nothing_and_a_displaced_folder_is_put_back(
+        forkserver, trained_run, tmp_path, runner, monkeypatch):
+    without_transformers(monkeypatch)
+    for i, stage in enumerate(HF_STAGES):
+        out, log = tmp_path / f"kill-{i}" / "hf", tmp_path / f"kill-{i}.log"
+        args = ["export", str(trained_run), "--hf", "--out", str(out)]
+        if stage == "displaced":
+            assert runner.invoke(app, args).exit_code == 0
+            earlier = snapshot(out)
+            args.append("--force")
+        process = start_child(forkserver, args, log, MODCLI_TEST_NO_TRANSFORMERS="1", **{SLOW_SAVE_ENV: "0.3"})
+        deadline = time.time() + 60
+        while True:
+            tmps = list(out.parent.glob(".tmp-hf-*"))
+            if stage == "writing" and tmps or stage == "written" and any((t / "README.md").exists() for t in tmps) \
+                    or stage == "displaced" and list(out.parent.glob(".old-hf-*")):
+                break
+            assert process.is_alive() and time.time() < deadline, log.read_text()
+            time.sleep(0.002)
+        process.kill()
+        process.join()
+        if stage == "displaced":
+            assert not out.exists()
+            result = runner.invoke(app, args)  # puts the earlier export back, then replaces it (--force)
+            assert result.exit_code == 0, result.output
+            assert f"note: restored {out} from .old-hf-" in result.stderr
+            assert snapshot(out).keys() == earlier.keys()
+        else:
+            assert not out.exists()
+            result = runner.invoke(app, args)
+            assert result.exit_code == 0, result.output
+            assert "removed the stale temporary folder" in result.stderr
+        assert "took over the stale lock of modcli export" in result.stderr
+        assert beside(out) == ["hf"]
+        assert json.loads((out / "config.json").read_text())["modcli_export"]["routing"]
+
+
+def test_export_hf_on_a_full_disk_is_one_line_exit_1_and_leaves_nothing(trained_run, tmp_path, runner, monkeypatch):
+    from safetensors import SafetensorError
+
+    import modcli.bundle.hf.writer as hf_writer
+
+    def disk_full(state, path, **kwargs):
+        Path(path).write_bytes(b"half the weights")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(hf_writer, "save_file", disk_full)
+    without_transformers(monkeypatch)
+    out = tmp_path / "hf"
+    result = runner.invoke(app, ["export", str(trained_run), "--hf", "--out", str(out)])
+    assert_one_line_error(result, 1, f"cannot write the folder {out}: Error while serializing: I/O error: No space "
+                                     "left on device", at_start=False)  # after a progress line
+    assert list(tmp_path.iterdir()) == []  # no folder, no temporary folder, no lock
+
+
+@pytest.mark.slow
+def test_a_real_write_failure_of_export_hf_is_one_line_and_leaves_nothing(forkserver, trained_run, tmp_path):
+    """A file-size limit makes the OS refuse the write of model.safetensors (EFBIG), as a full disk would."""
+    out, log = tmp_path / "hf", tmp_path / "child.log"
+    child = start_child(forkserver, ["export", str(trained_run), "--hf", "--out", str(out)], log,
+                        MODCLI_TEST_FSIZE_LIMIT="50000", MODCLI_TEST_NO_TRANSFORMERS="1")
+    child.join(60)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("error")]
+    assert child.exitcode == 1, text
+    assert len(lines) == 1 and f"cannot write the folder {out}: " in lines[0] and "File too large" in lines[0], text
+    assert "Traceback" not in text
+    assert beside(out) == ["child.log"]
+
+
+def test_sweep_out_is_checked_as_every_other_out(corpus_file, tmp_path, runner, monkeypatch):
+    from modcli.sweep.runner import check_sweep_folder
+    from tests.sweep.test_sweep import write_grid
+
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    real_open = os.open
+
+    def read_only_file_system(path, *args, **kwargs):  # as a read-only mount answers (tests may run as root)
+        if str(path).startswith(str(read_only)) and len(args) > 0 and args[0] & os.O_CREAT:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_file_system)
+    before = snapshot(tmp_path)
+    for out, message in ((a_file, f"--out {a_file} is a file, not a sweep folder"),
+                         (a_file / "sweep", f"--out {a_file / 'sweep'}: {a_file} is a file, not a folder"),
+                         (read_only / "sweep", f"--out {read_only / 'sweep'}: cannot create "
+                                               f"{read_only / '.sweep.modcli.lock'}: Read-only file system")):
+        result = runner.invoke(app, ["sweep", str(grid), "--out", str(out)])
+        assert_one_line_error(result, 2, message)
+        assert snapshot(tmp_path) == before
+    monkeypatch.undo()
+
+    # A second sweep into a folder keeps its grid: the same grid (even reformatted) continues, another is refused.
+    out = tmp_path / "sweep"
+    out.mkdir()
+    shutil.copyfile(grid, out / "grid.toml")
+    reformatted = tmp_path / "same.toml"
+    reformatted.write_text("# the same grid, commented\n" + grid.read_text())
+    check_sweep_folder(out, reformatted, report_only=False)
+    other = write_grid(tmp_path / "other.toml", corpus_file, budgets="[5e8]")
+    result = runner.invoke(app, ["sweep", str(other), "--out", str(out)])
+    assert_one_line_error(result, 2, f"--out {out} holds a sweep of another grid ({out / 'grid.toml'} differs from "
+                                     f"{other}): pick another --out, or copy {other} over {out / 'grid.toml'}")
+    assert (out / "grid.toml").read_text() == grid.read_text() and beside(out) == sorted(
+        ["a-file", "grid.toml", "other.toml", "read-only", "same.toml", "sweep"])
+
+
+def test_saved_files_get_the_permissions_of_the_umask(trained_run, tmp_path, runner, monkeypatch):
+    """safetensors writes its files 0600; every file modcli publishes gets what the umask gives (0644 under 022)."""
+    from tests.bundle.test_export import random_checkpoint
+
+    without_transformers(monkeypatch)
+    previous = os.umask(0o022)
+    try:
+        checkpoint = random_checkpoint(tmp_path / "run")
+        assert runner.invoke(app, ["export", str(trained_run), "--hf", "--out", str(tmp_path / "hf")]).exit_code == 0
+    finally:
+        os.umask(previous)
+    for path in (checkpoint / "model.safetensors", checkpoint / "COMPLETE", tmp_path / "hf" / "model.safetensors",
+                 tmp_path / "hf" / "config.json"):
+        assert oct(path.stat().st_mode & 0o777) == oct(0o644), path
 
 
 # ----------------------------------------------------------------------------------------------- divergence
@@ -537,7 +943,7 @@ def test_modcli_run_bad_flags_are_one_line_and_exit_2(bundle, capsys):
                            ([str(bundle), "--provider", "tpu"], "invalid choice: 'tpu'"),
                            ([str(bundle), "--temperature", "nan"], "--temperature must be a finite number"),
                            ([str(bundle), "--seed", "-1"], "--seed must be >= 0"),
-                           ([str(bundle), "--max-new-tokens", str(10**15)], "not enough memory")):
+                           ([str(bundle), "--max-new-tokens", str(10**15)], "--max-new-tokens must be in 1..")):
         code, stderr = _run_cli(args, capsys)
         lines = stderr.strip().splitlines()
         assert code == 2 and len(lines) == 1 and expected in lines[0], (args, stderr)

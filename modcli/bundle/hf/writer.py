@@ -2,9 +2,10 @@
 
 The folder: config.json (for a routed or MoE model with `auto_map` to the folder's configuration_modcli.py and
 modeling_modcli.py), model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json (greedy) and
-README.md (the model card). It is written into a temporary folder and renamed into place at the end, under a lock
-next to --out, like an ONNX bundle; config.json's `modcli_export` record marks it as modcli's, so --force replaces
-only such a folder.
+README.md (the model card). It is written into a temporary folder and renamed into place at the end, under --out's
+lock (the one every writing command takes), like an ONNX bundle, and never over a folder that appeared or changed at
+--out after it was checked; config.json's `modcli_export` record marks it as modcli's, so --force replaces only such a
+folder. A write the disk refuses (full, a file-size limit) is one line, exit code 1, and leaves nothing behind.
 
 Where transformers is installed, the folder is loaded back with `AutoModelForCausalLM.from_pretrained` before it is
 published and compared with modcli under the exported causal routing mode: logits on the check text and on a
@@ -34,11 +35,11 @@ from modcli.bundle.hf.card import last_validation, model_card, provenance
 from modcli.bundle.hf.convert import REMOTE, REMOTE_FILES, Converted, convert
 from modcli.bundle.hf.tokenizer import write_tokenizer
 from modcli.bundle.validation import validation_text
-from modcli.bundle.writer import check_out, export_lock
+from modcli.bundle.writer import Progress, check_out, export_lock, write_failed
 from modcli.checkpoint import atomic
-from modcli.checkpoint.store import load_model_from
+from modcli.checkpoint.store import load_model_from, slow_save_pause
 from modcli.decode.generation import prefill
-from modcli.errors import ReportedError, WriteFailed
+from modcli.errors import ReportedError
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
@@ -93,15 +94,16 @@ def export_hf(config: ExportConfig, log: Callable[[str], None] | None = None) ->
     log = log or (lambda message: None)
     started = time.perf_counter()
     out = Path(config.out)
-    with export_lock(out, "config.json", log):
-        result = _export(config, out, log)
+    with export_lock(out, log):
+        result = _export(config, out, Progress(log, started))
     result.seconds = time.perf_counter() - started
     return result
 
 
-def _export(config: ExportConfig, out: Path, log: Callable[[str], None]) -> HFExportResult:
+def _export(config: ExportConfig, out: Path, log: Progress) -> HFExportResult:
     check_out(out, config.force, _written_by_export_hf, "folder",
               f"that `modcli export --hf` did not write (no {MARKER_KEY} in its config.json)")
+    checked = atomic.folder_state(out)  # what is published over must still be this
     model, run_config, checkpoint = load_model_from(config.checkpoint, "cpu")
     family = model.config.family
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
@@ -120,13 +122,15 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None]) -> HFEx
     result = HFExportResult(str(out), converted.architecture, not converted.plain, routing, config.dtype,
                             float(config.atol), {})
     try:
-        with atomic.publish_folder(out) as tmp:
+        with atomic.publish_folder(out, expect=checked, pause=slow_save_pause) as tmp:
             _write_folder(tmp, model, converted, routing, run_config, checkpoint, tokenizer_file)
+            log(f"wrote model.safetensors ({(tmp / 'model.safetensors').stat().st_size / 1e6:.2f} MB) and the "
+                "tokenizer")
             check_record: dict[str, Any] = {"status": "not checked: transformers is not installed"}
             if importlib.util.find_spec("transformers") is not None:
-                log("checking the folder in transformers against modcli")
                 text = validation_text(config.text, model.config.vocab_size)
-                result.checks, processed = check_folder(tmp, model, routing, text, config, converted.plain)
+                with log.step("checking the folder in transformers against modcli"):
+                    result.checks, processed = check_folder(tmp, model, routing, text, config, converted.plain)
                 result.checked = True
                 worst = max((c.max_abs_diff for c in result.checks if c.max_abs_diff is not None), default=0.0)
                 status = "passed" if all(c.passed for c in result.checks) else "FAILED"
@@ -149,9 +153,12 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None]) -> HFEx
                               converted.plain, converted.architecture, check_record)
             (tmp / "README.md").write_text(card, encoding="utf-8")
             result.files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise WriteFailed(f"cannot write the folder {out}: {exc.strerror or exc}{where}") from None
+            log(f"publishing {out}")
+    except Exception as exc:
+        failed = write_failed(exc, f"the folder {out}")
+        if failed is None:
+            raise
+        raise failed from None
     return result
 
 
