@@ -160,6 +160,9 @@ class Bundle:
             self.text = JsonTokenizer(self.path / tokenizer) if tokenizer else ByteTokenizer()
         except TokenizerError as exc:
             raise BundleError(str(exc)) from None
+        if self.text.vocab_size > self.vocab_size:  # its ids past the model's vocabulary have no embedding
+            raise BundleError(f"{self.path}: the tokenizer has {self.text.vocab_size:,} tokens but the model's "
+                              f"vocabulary has {self.vocab_size:,} (the tokenizer is not the model's)")
         self.providers = session_providers(provider)
         self._strict = ORT_PROVIDERS[provider] if provider in ORT_PROVIDERS else None
         self._sessions: dict[str, Any] = {}
@@ -242,6 +245,7 @@ class Bundle:
     def generate(self, prompts: list[str | bytes | list[int]], **options) -> Generation:
         """Generate from each prompt (one batch); see modcli_runtime.generate.generate_tokens for the options."""
         step, cache = self.decoder()  # a clear error when the bundle has no ONNX decode graph
+        options.setdefault("context", int(self.model["seq_len"]))
         return generate_tokens(step, cache, prompts, vocab_size=self.vocab_size, text=self.text, **options)
 
 

@@ -8,6 +8,7 @@ import sys
 
 from modcli_runtime.bundle import PROVIDERS, load_bundle
 from modcli_runtime.errors import BundleError
+from modcli_runtime.generate import check_prompt_text, encode_prompt, fit_prompts
 from modcli_runtime.text import TextPieces, Utf8Stream
 
 
@@ -40,28 +41,44 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     prompts = args.prompt or ["def "]
+    written = []  # text on stdout: an error after it starts on a line of its own
+
+    def write(text: str) -> None:
+        written.append(text)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     try:
+        for prompt in prompts:
+            check_prompt_text(prompt)
         bundle = load_bundle(args.bundle, provider=args.provider, verify=not args.no_verify,
                              allow_invalid=args.allow_invalid, threads=args.threads)
         bundle.session("decode")  # a bundle that cannot decode says so before anything is written
+        context = int(bundle.model["seq_len"])
+        encoded, notes = fit_prompts([encode_prompt(p, bundle.vocab_size, bundle.text) for p in prompts], context)
+        for note in notes:
+            print(note, file=sys.stderr)
         on_token = None
         if not args.json and len(prompts) == 1:
-            sys.stdout.write(prompts[0])
-            stream = Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+            stream = Utf8Stream(write, prefix=prompts[0])  # the prompt goes out with the first token
             pieces = TextPieces(bundle.text)
 
             def on_token(row: int, token: int) -> None:
                 stream(row, pieces(token))
 
-        result = bundle.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=on_token)
+        result = bundle.generate(encoded, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_token=on_token,
+                                 context=context)
     except BundleError as exc:
+        if written and not written[-1].endswith("\n"):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         print("error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
         raise SystemExit(exc.exit_code) from None
-    longest = max(len(bundle.text.encode(p)) for p in prompts) + args.max_new_tokens
-    if longest > int(bundle.model["seq_len"]) and not args.json:
-        print(f"note: {longest} tokens exceeded the training context of {bundle.model['seq_len']}; positions "
-              "beyond it were never trained", file=sys.stderr)
+    longest = max(len(tokens) for tokens in encoded) + args.max_new_tokens
+    if longest > context and not args.json:
+        print(f"note: {longest} tokens exceeded the training context of {context}; positions beyond it were never "
+              "trained", file=sys.stderr)
     if args.json:
         print(json.dumps({"texts": result.texts, "tokens": result.tokens, "steps": result.steps,
                           "first_token_s": result.first_token_s, "total_s": result.total_s,

@@ -26,6 +26,36 @@ from modcli_runtime.text import ByteTokenizer, Tokenizer
 
 StepFunction = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
+MAX_NEW_TOKENS = 2**31 - 1
+"""The most --max-new-tokens can ask for (in `modcli generate` too): more could not be indexed, let alone stored."""
+
+
+def check_prompt_text(prompt: str) -> None:
+    """A prompt must be text that UTF-8 can spell: bytes of another encoding on the command line arrive as lone
+    surrogates (Python's surrogateescape), which no tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = prompt[exc.start]
+        what = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"U+{ord(char):04X}"
+        raise BundleError(f"--prompt is not valid UTF-8 text ({what} at character {exc.start}); give the prompt "
+                          "in UTF-8") from None
+
+
+def fit_prompts(encoded: list[list[int]], context: int | None) -> tuple[list[list[int]], list[str]]:
+    """Prompts longer than the model's context keep their last `context` tokens (the model never read more at once,
+    and every token fed costs a step) -> (the prompts, one note per prompt cut, for stderr). The one rule of
+    `modcli generate` and `modcli-run`."""
+    if context is None:
+        return encoded, []
+    notes = []
+    for row, tokens in enumerate(encoded):
+        if len(tokens) > context:
+            which = "the prompt" if len(encoded) == 1 else f"prompt {row + 1}"
+            notes.append(f"note: {which} has {len(tokens):,} tokens, more than the model's context of {context}: "
+                         f"only its last {context} are read")
+    return [tokens[-context:] for tokens in encoded], notes
+
 
 def sampling_uniforms(seed: int, max_new_tokens: int, batch: int) -> np.ndarray:
     """The sampler's random stream, (max_new_tokens, B) in [0, 1): u[i, r] draws row r's i-th new token.
@@ -108,6 +138,8 @@ class Generation:
 
 def encode_prompt(prompt: str | bytes | list[int], vocab_size: int, text: Tokenizer | None = None
                   ) -> list[int]:
+    if isinstance(prompt, str):
+        check_prompt_text(prompt)
     tokens = (text or ByteTokenizer()).encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise BundleError("--prompt must not be empty")
@@ -119,8 +151,10 @@ def encode_prompt(prompt: str | bytes | list[int], vocab_size: int, text: Tokeni
 def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str | bytes | list[int]], *,
                     vocab_size: int, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 1337, on_token: Callable[[int, int], None] | None = None,
-                    return_logits: bool = False, text: Tokenizer | None = None) -> Generation:
+                    return_logits: bool = False, text: Tokenizer | None = None,
+                    context: int | None = None) -> Generation:
     """Run the decode graph `step` over a batch of prompts and sample `max_new_tokens` new tokens per prompt.
+    `context`: a prompt longer keeps its last `context` tokens (`fit_prompts`; `Bundle.generate` gives the model's).
 
     `cache_spec` allocates the KV cache and stores each step's rows (`allocate`, `write_rows`): a CacheSpec (numpy
     buffers) or a modcli_runtime.device.DeviceCache (device OrtValues; `Bundle.decoder()` gives the pair).
@@ -130,12 +164,12 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
     text = text or ByteTokenizer()
     if not prompts:
         raise BundleError("--prompt: give at least one prompt")
-    if max_new_tokens < 1:
-        raise BundleError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise BundleError(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}, got {max_new_tokens}")
     if not (math.isfinite(temperature) and temperature >= 0) or top_k < 0 or not 0 < top_p <= 1:
         raise BundleError(f"--temperature must be a finite number >= 0 (got {temperature}), --top-k >= 0 (got "
                           f"{top_k}) and --top-p in (0, 1] (got {top_p})")
-    encoded = [encode_prompt(p, vocab_size, text) for p in prompts]
+    encoded, _ = fit_prompts([encode_prompt(p, vocab_size, text) for p in prompts], context)
     batch = len(encoded)
     lengths = np.array([len(p) for p in encoded])
     steps = int(lengths.max()) + max_new_tokens - 1  # the last sampled token is never fed

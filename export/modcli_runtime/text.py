@@ -29,6 +29,7 @@ class ByteTokenizer:
     """Token = byte of the UTF-8 text (vocabulary 256); bytes that are not valid UTF-8 decode to U+FFFD."""
 
     name = BYTES
+    vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -52,11 +53,22 @@ class JsonTokenizer:
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({exc})") from None
         self.name = str(path)
 
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest token id it can give (added tokens included): the model's vocabulary must
+        reach it."""
+        return token_id_bound(self.tokenizer)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def token_id_bound(tokenizer) -> int:
+    """A `tokenizers.Tokenizer`'s largest token id + 1, added tokens included (its ids need not be contiguous)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 class TextPieces:

@@ -22,7 +22,7 @@ from modcli_runtime.text import JsonTokenizer, Tokenizer
 
 from modcli.checkpoint import atomic
 from modcli.config import DataConfig
-from modcli.errors import UserError, WriteFailed
+from modcli.errors import ReportedError, UserError, WriteFailed
 
 TOKENIZE_CHUNK_BYTES = 1 << 20
 """Text is tokenized in pieces of about this size, cut at line ends."""
@@ -34,6 +34,32 @@ BINARY_SNIFF_BYTES = 8192
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MODCLI_CACHE") or Path.home() / ".cache" / "modcli")
+
+
+def _write_cache(path: Path, chunks: list[bytes]) -> None:
+    """Write one cache file atomically (`atomic.write_file`: nothing half-written is left, not even its temporary
+    file). A disk that refuses it (full, read-only, no permission) is a WriteFailed, exit code 1: not the user's
+    mistake, and no --data names it. No fallback to an uncached corpus: the splits are memory-mapped from these
+    files (a folder corpus can be larger than memory), and a full disk would stop a run at its first checkpoint."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # what a killed writer left (its process is gone)
+        pid = stale.name[len(path.name) + 2:-len(".tmp")]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
+    try:
+        atomic.write_file(path, chunks)
+    except OSError as exc:
+        raise WriteFailed(f"cannot write the corpus cache {path}: {exc.strerror or exc} (free some space, or set "
+                          "MODCLI_CACHE to a folder on another disk)") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def _is_validation(relative_path: str, val_fraction: float) -> bool:
@@ -63,8 +89,8 @@ def _folder_split(root: Path, files: list[Path], val_fraction: float, tag: str) 
         for f in files:
             chunks = val_chunks if _is_validation(f.relative_to(root).as_posix(), val_fraction) else train_chunks
             chunks += [f.read_bytes(), FILE_SEPARATOR]
-        atomic.write_file(val_path, val_chunks)
-        atomic.write_file(train_path, train_chunks)
+        _write_cache(val_path, val_chunks)
+        _write_cache(train_path, train_chunks)
     return _memmap(train_path), _memmap(val_path)
 
 
@@ -127,7 +153,7 @@ def _tokenized(text: np.ndarray, tokenizer: JsonTokenizer) -> np.ndarray:
             start = end
         encoded = tokenizer.tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
         ids = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encoded]) if encoded else np.zeros(0, dtype)
-        atomic.write_file(path, [ids.tobytes()])
+        _write_cache(path, [ids.tobytes()])
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")
@@ -146,11 +172,13 @@ def _byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
     try:
         return _read_byte_corpus(config, seq_len)
     except OSError as exc:
-        where = exc.filename or path
         if exc.filename and cache_dir() in Path(exc.filename).parents:
-            raise WriteFailed(f"cannot write the corpus cache {where}: {exc.strerror or exc} (MODCLI_CACHE names "
-                              "another folder for it)") from None
-        raise UserError(f"--data: cannot read {where}: {exc.strerror or exc}") from None
+            raise WriteFailed(f"cannot write the corpus cache {exc.filename}: {exc.strerror or exc} (MODCLI_CACHE "
+                              "names another folder for it)") from None
+        if path is None:  # the built-in corpus: nothing the user named
+            raise ReportedError(f"cannot read the built-in corpus (the Python standard library) at "
+                                f"{exc.filename or sysconfig.get_paths()['stdlib']}: {exc.strerror or exc}") from None
+        raise UserError(f"--data: cannot read {exc.filename or path}: {exc.strerror or exc}") from None
 
 
 def _read_byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
@@ -177,7 +205,10 @@ def _read_byte_corpus(config: DataConfig, seq_len: int) -> Corpus:
                 raise UserError(f"--data: the {len(files)} files matching {config.glob!r} in {path} are all binary "
                                 "(NUL bytes); give text files or --glob")
             skipped = len(files) - len(text_files)
-            train, val = _folder_split(path.resolve(), [f.resolve() for f in text_files], config.val_fraction,
+            # Files keep their path inside the folder (a symlink to a file elsewhere is followed, and named and split
+            # by where it sits in the folder, not by its target, which may lie outside it)
+            root = path.resolve()
+            train, val = _folder_split(root, [root / f.relative_to(path) for f in text_files], config.val_fraction,
                                        "folder")
             if len(val) < seq_len + 1 and len(train) > 0:
                 # Too few files for a split by file: fall back to the tail of the concatenation.

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from modcli_runtime.generate import sampling_uniforms
+from modcli_runtime.errors import BundleError
+from modcli_runtime.generate import MAX_NEW_TOKENS, check_prompt_text, fit_prompts, sampling_uniforms
 from modcli_runtime.text import TextPieces
 from torch import Tensor
 
@@ -31,9 +32,10 @@ class GenerateConfig:
     checkpoint: str
     """A run folder (its newest checkpoint) or one checkpoint folder."""
     prompts: list[str] = field(default_factory=lambda: ["def "])
-    """One or more prompts; several are generated as one batch."""
+    """One or more prompts; several are generated as one batch. A prompt longer than the model's context (seq_len
+    tokens) keeps its last seq_len tokens, with a note on stderr."""
     max_new_tokens: int = 200
-    """Bytes to generate per prompt."""
+    """Tokens to generate per prompt (at most 2**31 - 1)."""
     temperature: float = 0.8
     """Sampling temperature; 0 = greedy."""
     top_k: int = 0
@@ -65,7 +67,13 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         require(bool(self.prompts), "--prompt: give at least one prompt")
         require(all(self.prompts), "--prompt must not be empty")
-        require(self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        for prompt in self.prompts:
+            try:
+                check_prompt_text(prompt)  # the runtime's rule and message
+            except BundleError as exc:
+                raise UserError(str(exc)) from None
+        require(1 <= self.max_new_tokens <= MAX_NEW_TOKENS,
+                f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
         require(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
         require(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
         require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
@@ -178,7 +186,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     device = resolve_device(config.device)
     if model is None:
         model, run_config, checkpoint = load_model_from(config.checkpoint, device)
-        tokenizer = load_tokenizer(run_config.data.tokenizer, checkpoint.parent)
+        tokenizer = load_tokenizer(run_config.data.tokenizer, checkpoint.parent, model.config.vocab_size)
     tokenizer = tokenizer or ByteTokenizer()
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
     model.check_routing(routing, causal=True)
@@ -190,6 +198,10 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     prompts = [tokenizer.encode(p) for p in config.prompts]
     if not all(prompts):
         raise UserError("--prompt: a prompt encodes to no tokens")
+    # a prompt longer than the context keeps its last seq_len tokens, as modcli-run does (modcli_runtime.generate)
+    prompts, notes = fit_prompts(prompts, model.config.seq_len)
+    for note in notes:
+        stderr_console.print(f"[yellow]{note}[/]", highlight=False, soft_wrap=True)
     batch = len(prompts)
     max_tokens = max(len(p) for p in prompts) + config.max_new_tokens
     if max_tokens > model.config.seq_len and on_bytes is not None:

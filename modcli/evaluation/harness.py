@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -241,7 +242,7 @@ def encode(tokenizer: Tokenizer, text: str) -> list[int]:
 def load_run(path: str, routing: str | None, device: torch.device) -> tuple[MoDDecoder, Tokenizer, str, Path]:
     """(model in eval mode, its tokenizer, the causal routing mode to use, the checkpoint folder)."""
     model, run_config, checkpoint = load_model_from(path, device)
-    tokenizer = load_tokenizer(run_config.data.tokenizer, checkpoint.parent)
+    tokenizer = load_tokenizer(run_config.data.tokenizer, checkpoint.parent, model.config.vocab_size)
     routing = routing or (model.causal_modes() or ("dense",))[0]
     model.check_routing(routing, causal=True)  # top-k over the sequence sees the future: refused here
     return model, tokenizer, routing, checkpoint
@@ -392,6 +393,91 @@ def _is_task_file(name: str) -> bool:
     return Path(name).suffix in (".yaml", ".yml") and Path(name).is_file()
 
 
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def _data_missing(exc: BaseException) -> UserError:
+    return UserError(f"--tasks: a task's data is not on this machine ({exc}): fetch it once with network access, "
+                     "or point HF_HOME at a cache that holds it (docs/eval-harness.md)")
+
+
+def task_file(manager: Any, name: str, specs: list[str]) -> str:
+    """The YAML file a task (or group) came from, for a message: the file named in --tasks, or lm-eval's index."""
+    for spec in specs:
+        if spec == name and _is_task_file(spec):
+            return spec
+    entry = manager.task_index.get(name)
+    if entry is not None and entry.yaml_path is not None:
+        return str(entry.yaml_path)
+    files = [spec for spec in specs if _is_task_file(spec)]
+    return files[0] if len(files) == 1 else "a task file named in --tasks"
+
+
+def load_tasks(manager: Any, specs: list[str]) -> dict[str, Any]:
+    """lm-eval's `TaskManager.load(specs)`: {"tasks", "groups", "group_map"}. A task file lm-eval cannot load (a YAML
+    parser error, a `!function` that names no function, a key of the wrong kind) is a UserError naming the task and
+    its file: the task files are the user's input here."""
+    try:
+        return manager.load(specs)
+    except (ConnectionError, FileNotFoundError) as exc:
+        raise _data_missing(exc) from None
+    except Exception as exc:
+        culprit = specs[0]
+        for spec in specs if len(specs) > 1 else ():  # which one: each alone (only when one has failed)
+            try:
+                manager.load([spec])
+            except Exception:
+                culprit = spec
+                break
+        raise UserError(f"--tasks {culprit}: lm-eval cannot load the task from {task_file(manager, culprit, specs)}: "
+                        f"{_one_line(exc)}") from None
+
+
+def check_few_shot(tasks: dict[str, Any], num_fewshot: int | None, file_of: Callable[[str], str]) -> None:
+    """Each task's few-shot split holds the examples asked for (--num-fewshot, else the task's num_fewshot), plus
+    the question itself where lm-eval draws examples from the split it evaluates; else a UserError (lm-eval's
+    `ValueError: Sample larger than population`, raised once evaluation had begun)."""
+    for name, task in tasks.items():
+        shots = task.get_config("num_fewshot")
+        if num_fewshot is not None and shots != 0:  # simple_evaluate's rule: a task's explicit 0 stays 0
+            shots = num_fewshot
+        if not shots:
+            continue
+        try:
+            pool = len(task.fewshot_docs())
+        except Exception:  # a task without a countable few-shot source: lm-eval will say
+            continue
+        split = getattr(getattr(task, "fewshot_cfg", None), "split", None)
+        same = split is not None and split == task.get_config("test_split")
+        if pool < shots + same:
+            given = f"--num-fewshot {shots}" if num_fewshot is not None else f"num_fewshot {shots} (the task's own)"
+            raise UserError(f"{given}: task {name} ({file_of(name)}) has {pool} few-shot documents in its "
+                            f"{split or 'few-shot'} split{', one of them the question itself' if same else ''}; "
+                            f"ask for at most {pool - same}")
+
+
+_MODCLI_SOURCES = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _failing_task(exc: BaseException) -> str | None:
+    """The lm-eval task whose own code raised `exc` (a frame of a Task method, with no modcli code below it), or
+    None: then the failure is modcli's model or lm-eval's machinery, and keeps its traceback."""
+    from lm_eval.api.task import Task
+
+    name = None
+    trace = exc.__traceback__
+    while trace is not None:
+        frame = trace.tb_frame
+        if frame.f_code.co_filename.startswith(_MODCLI_SOURCES):
+            name = None  # modcli's code ran below the task: not the task's failure
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Task):
+            name = candidate.get_config("task") or getattr(candidate, "task_name", None)
+        trace = trace.tb_next
+    return name
+
+
 def evaluate_tasks(config: HarnessConfig) -> HarnessResult:
     """Run lm-eval's tasks on the run under its causal routing mode -> every task's metrics."""
     import_lm_eval()
@@ -403,13 +489,21 @@ def evaluate_tasks(config: HarnessConfig) -> HarnessResult:
     model = lm_eval_model()(path=config.checkpoint, routing=config.routing, device=config.device, dtype=config.dtype,
                             batch_size=config.batch_size, packed_linears=config.packed_linears)
     manager = find_tasks(config.tasks, config.include_path)
+    loaded = load_tasks(manager, config.tasks)
+    check_few_shot(loaded["tasks"], config.num_fewshot, lambda task: task_file(manager, task, config.tasks))
+    manager.load = lambda tasks: loaded  # simple_evaluate's own load: the tasks just checked, not built twice
     try:
         output = simple_evaluate(model=model, tasks=config.tasks,
                                  num_fewshot=config.num_fewshot, limit=config.limit, task_manager=manager,
                                  log_samples=False, bootstrap_iters=DEFAULT_BOOTSTRAP_ITERS)
     except (ConnectionError, FileNotFoundError) as exc:  # a dataset neither cached nor reachable (offline)
-        raise UserError(f"--tasks: a task's data is not on this machine ({exc}): fetch it once with network access, "
-                        "or point HF_HOME at a cache that holds it (docs/eval-harness.md)") from None
+        raise _data_missing(exc) from None
+    except Exception as exc:
+        task = _failing_task(exc)
+        if task is None:  # not in a task's own code (its templates, filters, sampler): modcli's or lm-eval's failure
+            raise
+        raise UserError(f"--tasks: task {task} ({task_file(manager, task, config.tasks)}) failed in lm-eval: "
+                        f"{_one_line(exc)}") from None
     checkpoint = model.checkpoint
     step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
     return HarnessResult(str(checkpoint), step, model.model.config.kind, model.routing, lm_eval.__version__,

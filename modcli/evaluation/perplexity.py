@@ -93,7 +93,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
     seq_len = run_config.model.seq_len
     data = run_config.data if config.data is None else DataConfig(data=config.data, glob=config.glob,
                                                                   tokenizer=run_config.data.tokenizer)
-    corpus = load_corpus(data, seq_len, load_tokenizer(data.tokenizer, checkpoint.parent))
+    corpus = load_corpus(data, seq_len, load_tokenizer(data.tokenizer, checkpoint.parent,
+                                                         model.config.vocab_size))
     for mode in config.routing:
         model.check_routing(mode)
     if run_config.model.dense:

@@ -8,7 +8,8 @@ and up projections into `mlp.gate_up` (rows [gate; up]). Nothing subclasses or i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -20,12 +21,74 @@ DEFAULT_CONTEXT = 1024
 """modcli's training context (seq_len) of an imported model when --seq-len is not given (at most the model's)."""
 
 
+COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+"""config.json's required whole numbers (each >= 1; vocab_size >= 2)."""
+OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+"""Whole numbers >= 1 that may be absent or null."""
+OPTIONAL_NUMBERS = ("rope_theta", "rms_norm_eps")
+"""Positive finite numbers that may be absent or null."""
+OPTIONAL_FLAGS = ("tie_word_embeddings", "mlp_bias", "attention_bias", "use_sliding_window")
+OPTIONAL_TABLES = ("rope_scaling", "rope_parameters")
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_config(hf: Any, origin: str = "config.json") -> None:
+    """Every field the adapters read has its type and range, and the head counts divide as attention needs; else a
+    UserError naming the field (`origin`: the file, for the message). A config is checked before anything is built:
+    a string width or a null layer count would otherwise fail in torch, far from its cause."""
+    if not isinstance(hf, dict):
+        raise UserError(f"{origin}: must hold a JSON object (the model's settings), got a {type(hf).__name__}")
+
+    def count(key: str, value: Any, least: int = 1) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UserError(f"{origin}: {key} must be an integer >= {least}, got {value!r}")
+
+    for key in COUNTS:
+        if key not in hf:
+            raise UserError(f"{origin}: {key} is missing")
+        count(key, hf[key], 2 if key == "vocab_size" else 1)
+    for key in OPTIONAL_COUNTS:
+        if hf.get(key) is not None:
+            count(key, hf[key])
+    for key in OPTIONAL_NUMBERS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise UserError(f"{origin}: {key} must be a positive number, got {value!r}")
+    for key in OPTIONAL_FLAGS:
+        if hf.get(key) is not None and not isinstance(hf[key], bool):
+            raise UserError(f"{origin}: {key} must be true or false, got {hf[key]!r}")
+    for key in OPTIONAL_TABLES:
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise UserError(f"{origin}: {key} must be a JSON object or null, got {hf[key]!r}")
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                              or not math.isfinite(theta) or theta <= 0):
+        raise UserError(f"{origin}: rope_parameters' rope_theta must be a positive number, got {theta!r}")
+    if not isinstance(hf.get("hidden_act", "silu"), str):
+        raise UserError(f"{origin}: hidden_act must be a string, got {hf['hidden_act']!r}")
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if hf.get("head_dim") is None and hf["hidden_size"] % heads:
+        raise UserError(f"{origin}: num_attention_heads ({heads}) does not divide hidden_size ({hf['hidden_size']}) "
+                        "and no head_dim gives the head size")
+    if heads % kv_heads:
+        raise UserError(f"{origin}: num_key_value_heads ({kv_heads}) does not divide num_attention_heads ({heads})")
+    if (hf.get("head_dim") or hf["hidden_size"] // heads) % 2:
+        raise UserError(f"{origin}: the head size ({hf.get('head_dim') or hf['hidden_size'] // heads}) must be even "
+                        "for RoPE")
+    if hf.get("max_position_embeddings") == 1:
+        raise UserError(f"{origin}: max_position_embeddings must be >= 2, got 1")
+
+
 class LlamaAdapter:
     architecture = "LlamaForCausalLM"
     has_qkv_bias = False
 
-    def model_config(self, hf: dict[str, Any], seq_len: int | None, tensor_names: set[str]) -> ModelConfig:
-        """A dense ModelConfig of the same shape, or a UserError naming what modcli cannot represent."""
+    def model_config(self, hf: dict[str, Any], seq_len: int | None, tensor_names: Collection[str],
+                     origin: str = "config.json") -> ModelConfig:
+        """A dense ModelConfig of the same shape, or a UserError naming what modcli cannot represent (or the field
+        of `hf` that is malformed; `origin` names the file in that message)."""
+        check_config(hf, origin)
         name = self.architecture
         if hf.get("hidden_act", "silu") != "silu":
             raise UserError(f"{name}: hidden_act {hf['hidden_act']!r} is not supported (modcli's MLP is SwiGLU)")
@@ -33,7 +96,7 @@ class LlamaAdapter:
             raise UserError(f"{name}: mlp_bias is not supported")
         if "model.layers.0.self_attn.o_proj.bias" in tensor_names:
             raise UserError(f"{name}: a bias on the attention output projection (attention_bias) is not supported")
-        max_positions = int(hf.get("max_position_embeddings", DEFAULT_CONTEXT))
+        max_positions = int(hf.get("max_position_embeddings") or DEFAULT_CONTEXT)
         context = min(max_positions, DEFAULT_CONTEXT) if seq_len is None else seq_len
         window = self.sliding_window(hf)
         if window is not None and window < context:
@@ -47,8 +110,12 @@ class LlamaAdapter:
             raise UserError(f"{name}: rope_scaling {scaling.get('rope_type') or scaling.get('type')!r} is not "
                             "supported (only llama3)")
         if scaling is not None:
-            scaling = {"rope_type": "llama3", **{key: scaling[key] for key in (
-                "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+            for key in LLAMA3_SCALING_KEYS:
+                value = scaling.get(key)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value <= 0:
+                    raise UserError(f"{origin}: rope_scaling's {key} must be a positive number, got {value!r}")
+            scaling = {"rope_type": "llama3", **{key: scaling[key] for key in LLAMA3_SCALING_KEYS}}
         return ModelConfig(
             vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or heads),
@@ -56,12 +123,55 @@ class LlamaAdapter:
             mlp_hidden=int(hf["intermediate_size"]), route_every=0, dropout=0.0,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             rope_base=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
             qkv_bias=self.has_qkv_bias or "model.layers.0.self_attn.q_proj.bias" in tensor_names,
             rope_scaling=scaling)
 
     def sliding_window(self, hf: dict[str, Any]) -> int | None:
         return None
+
+    def expected_shapes(self, config: ModelConfig) -> dict[str, tuple[tuple[int, str], ...]]:
+        """Each Hugging Face tensor `state_dict` reads -> its shape, every size with the config field it comes from."""
+        d_model, vocab = (config.d_model, "hidden_size"), (config.vocab_size, "vocab_size")
+        q_rows = (config.n_heads * config.head_dim, "num_attention_heads x head_dim")
+        kv_rows = (config.kv_heads * config.head_dim, "num_key_value_heads x head_dim")
+        hidden = (config.mlp_hidden, "intermediate_size")
+        shapes = {"model.embed_tokens.weight": (vocab, d_model), "model.norm.weight": (d_model,)}
+        if not config.tie_embeddings:
+            shapes["lm_head.weight"] = (vocab, d_model)
+        for i in range(config.n_layers):
+            hf = f"model.layers.{i}"
+            shapes |= {f"{hf}.input_layernorm.weight": (d_model,), f"{hf}.post_attention_layernorm.weight": (d_model,),
+                       f"{hf}.self_attn.q_proj.weight": (q_rows, d_model),
+                       f"{hf}.self_attn.k_proj.weight": (kv_rows, d_model),
+                       f"{hf}.self_attn.v_proj.weight": (kv_rows, d_model),
+                       f"{hf}.self_attn.o_proj.weight": (d_model, q_rows),
+                       f"{hf}.mlp.gate_proj.weight": (hidden, d_model), f"{hf}.mlp.up_proj.weight": (hidden, d_model),
+                       f"{hf}.mlp.down_proj.weight": (d_model, hidden)}
+            if config.qkv_bias:
+                shapes |= {f"{hf}.self_attn.q_proj.bias": (q_rows,), f"{hf}.self_attn.k_proj.bias": (kv_rows,),
+                           f"{hf}.self_attn.v_proj.bias": (kv_rows,)}
+        return shapes
+
+    def check_shapes(self, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], origin: str,
+                     field_names: Mapping[str, str] | None = None) -> None:
+        """Every tensor present has the shape the config gives it, and no layer lies past num_hidden_layers; else a
+        UserError naming the tensor and the config fields (`field_names`: how the source spells them). Missing
+        tensors are named when read."""
+        field_names = field_names or {}
+
+        def spelled(label: str) -> str:
+            return " x ".join(field_names.get(part, part) for part in label.split(" x "))
+
+        layers = {int(name.split(".")[2]) for name in shapes
+                  if name.startswith("model.layers.") and name.split(".")[2].isdigit()}
+        if layers and max(layers) + 1 != config.n_layers:  # before listing the layers' shapes: n_layers may be huge
+            raise UserError(f"{origin}: the weights hold layers 0..{max(layers)}, but "
+                            f"{field_names.get('num_hidden_layers', 'num_hidden_layers')} is {config.n_layers}")
+        for name, dims in self.expected_shapes(config).items():
+            if name in shapes and tuple(shapes[name]) != tuple(size for size, _ in dims):
+                raise UserError(f"{origin}: tensor {name} has shape {tuple(shapes[name])}, but the config makes it "
+                                f"{tuple(size for size, _ in dims)} ({', '.join(spelled(label) for _, label in dims)})")
 
     def state_dict(self, config: ModelConfig, tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """modcli's state dict from `tensor(hf_name)` (which names the missing tensor and its file)."""

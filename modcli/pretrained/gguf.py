@@ -10,6 +10,7 @@ are transformers'. The `gguf` package is optional and imported only here.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,20 @@ class GgufModel:
     def tensor_names(self) -> set[str]:
         return set(self._tensors)
 
+    @property
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape in Hugging Face's layout, from the file's tensor table (no data read)."""
+        return {name: _torch_shape(stored) for name, stored in self._tensors.items()}
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """config.json's keys -> the metadata keys they came from, to name a field in an error."""
+        key = f"{self.architecture}.{{}}".format
+        return {"hidden_size": key("embedding_length"), "num_hidden_layers": key("block_count"),
+                "intermediate_size": key("feed_forward_length"), "num_attention_heads": key("attention.head_count"),
+                "num_key_value_heads": key("attention.head_count_kv"), "head_dim": key("attention.key_length"),
+                "vocab_size": f"{key('vocab_size')} (or the count of tokenizer.ggml.tokens)"}
+
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor under its Hugging Face name, dequantized to float32 in Hugging Face's layout."""
         if name not in self._tensors:
@@ -93,6 +108,9 @@ class GgufModel:
         if self.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
                                                             "k_proj.bias")):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            if values.shape[0] != heads * self.config["head_dim"]:
+                raise UserError(f"{self.path}: tensor {name} has {values.shape[0]} rows, not {heads} heads x "
+                                f"{self.config['head_dim']}")
             values = _undo_rotary_interleave(values, heads)
         return values
 
@@ -101,8 +119,12 @@ def _dequantized(stored: Any) -> torch.Tensor:
     """A gguf.ReaderTensor's values as a float32 tensor of its torch shape."""
     from gguf.quants import dequantize
 
-    shape = tuple(int(size) for size in reversed(stored.shape))  # ggml lists the fastest dimension first
-    return torch.from_numpy(np.array(dequantize(stored.data, stored.tensor_type), dtype=np.float32)).reshape(shape)
+    return torch.from_numpy(np.array(dequantize(stored.data, stored.tensor_type), dtype=np.float32)).reshape(
+        _torch_shape(stored))
+
+
+def _torch_shape(stored: Any) -> tuple[int, ...]:
+    return tuple(int(size) for size in reversed(stored.shape))  # ggml lists the fastest dimension first
 
 
 def read_gguf(path: str | Path) -> GgufModel:
@@ -120,7 +142,7 @@ def read_gguf(path: str | Path) -> GgufModel:
         raise UserError(f"{path}: not a readable GGUF file ({exc})") from None
     metadata = _Metadata(reader, path)
     architecture = metadata.get("general.architecture")
-    if architecture not in ARCHITECTURES:
+    if not isinstance(architecture, str) or architecture not in ARCHITECTURES:
         raise UserError(f"{path}: GGUF architecture {architecture!r} is not supported; supported: "
                         f"{', '.join(ARCHITECTURES)} (llama.cpp writes Mistral as llama)")
     stored = {}
@@ -134,6 +156,8 @@ def read_gguf(path: str | Path) -> GgufModel:
     if not tokens:
         raise UserError(f"{path}: no tokenizer in the file (tokenizer.ggml.tokens); modcli reads and writes text "
                         "through it")
+    if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
+        raise UserError(f"{path}: metadata tokenizer.ggml.tokens must be a list of strings")
     config = _config(metadata, architecture, set(stored), len(tokens))
     if _ROPE_FREQS in stored and "rope_scaling" not in config:
         config["rope_scaling"] = _llama3_scaling(stored[_ROPE_FREQS], config, path)
@@ -164,20 +188,50 @@ class _Metadata:
             value = value[0]
         return value
 
+    def count(self, key: str, default: Any = None, *, required: bool = False) -> int | None:
+        """A positive whole number (a width, a layer or head count; per layer or not), or a UserError naming the
+        key: a string, a float, a bool or a number < 1 would fail far from here, when tensors are shaped."""
+        if required and key not in self.fields:
+            raise UserError(f"{self.path}: metadata {key} is missing")
+        value = self.uniform(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{self.path}: metadata {key} must be a positive integer, got {value!r}")
+        return value
+
+    def positive(self, key: str, default: Any = None, *, required: bool = False) -> float | None:
+        """A positive finite number (an epsilon, a RoPE base), or a UserError naming the key."""
+        if required and key not in self.fields:
+            raise UserError(f"{self.path}: metadata {key} is missing")
+        value = self.get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise UserError(f"{self.path}: metadata {key} must be a positive number, got {value!r}")
+        return value
+
 
 def _config(metadata: _Metadata, architecture: str, gguf_names: set[str], n_tokens: int) -> dict[str, Any]:
     """The config.json transformers builds from this file's metadata, with what the adapters check."""
     key = f"{architecture}.{{}}".format
-    d_model = metadata.require(key("embedding_length"))
-    heads = metadata.uniform(key("attention.head_count"))
-    if heads is None:
-        raise UserError(f"{metadata.path}: metadata {key('attention.head_count')} is missing")
-    head_dim = metadata.get(key("attention.key_length")) or d_model // heads
-    rotary = metadata.get(key("rope.dimension_count"), head_dim)
+    d_model = metadata.count(key("embedding_length"), required=True)
+    heads = metadata.count(key("attention.head_count"), required=True)
+    kv_heads = metadata.count(key("attention.head_count_kv"), heads)
+    head_dim = metadata.count(key("attention.key_length"))
+    if head_dim is None:
+        if d_model % heads:
+            raise UserError(f"{metadata.path}: metadata {key('attention.head_count')} ({heads}) does not divide "
+                            f"{key('embedding_length')} ({d_model}) and no {key('attention.key_length')} gives the "
+                            "head size")
+        head_dim = d_model // heads
+    if heads % kv_heads:
+        raise UserError(f"{metadata.path}: metadata {key('attention.head_count_kv')} ({kv_heads}) does not divide "
+                        f"{key('attention.head_count')} ({heads})")
+    if head_dim % 2:
+        raise UserError(f"{metadata.path}: the head size ({head_dim}) must be even for RoPE")
+    rotary = metadata.count(key("rope.dimension_count"), head_dim)
     if rotary != head_dim:
         raise UserError(f"{metadata.path}: RoPE on {rotary} of each head's {head_dim} dimensions (partial rotary) is "
                         "not supported")
-    sliding_window = metadata.get(key("attention.sliding_window"))
+    sliding_window = metadata.count(key("attention.sliding_window"))
     hugging_face_architecture = ARCHITECTURES[architecture]
     if sliding_window is not None and architecture == "llama":  # Mistral's config names its window
         hugging_face_architecture = "MistralForCausalLM"
@@ -186,15 +240,15 @@ def _config(metadata: _Metadata, architecture: str, gguf_names: set[str], n_toke
         "model_type": architecture,
         "hidden_act": "silu",
         "hidden_size": d_model,
-        "num_hidden_layers": metadata.require(key("block_count")),
-        "intermediate_size": metadata.require(key("feed_forward_length")),
+        "num_hidden_layers": metadata.count(key("block_count"), required=True),
+        "intermediate_size": metadata.count(key("feed_forward_length"), required=True),
         "num_attention_heads": heads,
-        "num_key_value_heads": metadata.uniform(key("attention.head_count_kv"), heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": metadata.require(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": metadata.get(key("rope.freq_base"), 10000.0),
-        "max_position_embeddings": metadata.get(key("context_length"), 2048),
-        "vocab_size": metadata.get(key("vocab_size")) or n_tokens,
+        "rms_norm_eps": metadata.positive(key("attention.layer_norm_rms_epsilon"), required=True),
+        "rope_theta": metadata.positive(key("rope.freq_base"), 10000.0),
+        "max_position_embeddings": metadata.count(key("context_length"), 2048),
+        "vocab_size": metadata.count(key("vocab_size")) or n_tokens,
         # llama.cpp writes the output projection only when it is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in gguf_names,
         "attention_bias": "blk.0.attn_q.bias" in gguf_names,

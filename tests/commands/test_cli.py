@@ -87,6 +87,9 @@ def _bad(tmp_path, corpus_file, trained_run, trained_dense_run):
     unknown_toml.write_text("wingspan = 3\n")
     not_a_checkpoint = tmp_path / "folder"
     not_a_checkpoint.mkdir()
+    list_config = tmp_path / "hf"  # a model folder whose config.json is a list (an AttributeError before)
+    list_config.mkdir()
+    (list_config / "config.json").write_text("[1, 2]")
     train = ["train", "--device", "cpu", "--out", str(tmp_path / "out")]
     return [
         ([*train, "--capacity", "1.5"], "--capacity must be in (0, 1]"),
@@ -110,6 +113,9 @@ def _bad(tmp_path, corpus_file, trained_run, trained_dense_run):
         (["generate", str(trained_run), "--prompt", ""], "--prompt must not be empty"),
         (["generate", str(trained_run), "--top-p", "0"], "--top-p must be in"),
         (["generate", str(tmp_path / "missing")], "no such checkpoint"),
+        (["generate", str(trained_run), "--prompt", "abc\udcff\udcfe"], "--prompt is not valid UTF-8 text (byte 0xff"),
+        (["generate", str(trained_run), "--max-new-tokens", str(2**63)], "--max-new-tokens must be in 1..2147483647"),
+        (["import", str(list_config), "--out", str(tmp_path / "imported")], "config.json: must hold a JSON object"),
     ]
 
 

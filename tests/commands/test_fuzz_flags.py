@@ -158,11 +158,17 @@ def test_eval_flags(extra, where, trained_run, tmp_path_factory):
     check(invoke(tmp_path_factory, args), args)
 
 
+PROMPTS = [[], ["--prompt", "abc\udcff\udcfe"], ["--prompt", "x" * 5000], ["--max-new-tokens", str(2**63)]]
+"""Besides the drawn flags: a prompt that is not UTF-8 (argv's bytes \\xff\\xfe as Python gives them), one far
+longer than the model's context, a --max-new-tokens past int64 (tracebacks or minutes of prefill before)."""
+
+
 @fuzz_settings(16)
-@given(extra=drawn_flags(without(command_flags(generate.generate), "compile")), where=st.integers(0, 6))
-def test_generate_flags(extra, where, trained_run, tmp_path_factory):
+@given(extra=drawn_flags(without(command_flags(generate.generate), "compile")), where=st.integers(0, 6),
+       prompt=st.sampled_from(PROMPTS))
+def test_generate_flags(extra, where, prompt, trained_run, tmp_path_factory):
     target = [str(trained_run)] * 4 + ["", "no-such-run", str(trained_run / "metrics.jsonl")]
-    args = ["generate", target[where], "--max-new-tokens", "2", "--device", "cpu", *extra]
+    args = ["generate", target[where], "--max-new-tokens", "2", "--device", "cpu", *prompt, *extra]
     check(invoke(tmp_path_factory, args), args)
 
 
@@ -201,9 +207,20 @@ def test_export_flags(extra, where, trained_run, no_lowering, tmp_path_factory):
     check(invoke(tmp_path_factory, args), args)
 
 
+@pytest.fixture(scope="module")
+def malformed_models(tmp_path_factory) -> list[str]:
+    """A model folder whose config.json is a list, and a .gguf file that is text."""
+    folder = tmp_path_factory.mktemp("malformed")
+    (folder / "hf").mkdir()
+    (folder / "hf" / "config.json").write_text("[1, 2]")
+    (folder / "model.gguf").write_text("not a GGUF file\n")
+    return [str(folder / "hf"), str(folder / "model.gguf")]
+
+
 @fuzz_settings(8)
-@given(extra=drawn_flags(command_flags(import_command.import_command)), source=st.sampled_from(["", "nowhere", "."]))
-def test_import_flags(extra, source, tmp_path_factory):
+@given(extra=drawn_flags(command_flags(import_command.import_command)), where=st.integers(0, 4))
+def test_import_flags(extra, where, malformed_models, tmp_path_factory):
+    source = ["", "nowhere", ".", *malformed_models][where]
     args = ["import", source, "--out", "run", *extra]
     check(invoke(tmp_path_factory, args), args)
 

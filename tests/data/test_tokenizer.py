@@ -59,3 +59,41 @@ def test_tokenizer_bad_input_exits_2(tmp_path):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
         assert message in result.stderr, (args, result.stderr)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_load(tmp_path, corpus_file):
+    """A run whose tokenizer.json gives ids past the model's vocabulary (a model imported or copied with another
+    tokenizer) was an `IndexError: index out of range in self` in generate and eval: now one line naming both sizes,
+    exit 2, from every command that loads the run's tokenizer for its model."""
+    import importlib.util
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from modcli.checkpoint.store import save_checkpoint
+    from modcli.config import DataConfig, RunConfig, TrainConfig
+    from modcli.models.build import build_model
+    from tests.conftest import tiny_model_config
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator([make_corpus_text(50)], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    config = tiny_model_config(vocab_size=size - 20)
+    run = RunConfig(model=config, data=DataConfig(tokenizer="tokenizer.json"), train=TrainConfig(out=str(tmp_path)))
+    save_checkpoint(tmp_path, 0, build_model(config), None, run, {"step": 0}, keep=1)
+    message = f"has {size} tokens but the model's vocabulary has {size - 20}: ids {size - 20}..{size - 1} have no"
+    commands = [["generate", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "2", "--device", "cpu"],
+                ["eval", str(tmp_path), "--data", str(corpus_file), "--batches", "1", "--device", "cpu"],
+                ["routes", str(tmp_path), "--text", str(corpus_file), "--out", str(tmp_path / "r.html"),
+                 "--device", "cpu"]]
+    if importlib.util.find_spec("lm_eval") is not None:
+        commands.append(["eval", str(tmp_path), "--tasks", "arc_easy", "--device", "cpu"])
+    for args in commands:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args[0], result.output)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, (args[0], result.stderr)
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "r.html").exists()

@@ -407,3 +407,63 @@ def test_a_run_with_a_tokenizer_json_is_scored_in_its_own_tokens(tmp_path):
             whole = encode(tokenizer, context + continuation)
             assert whole[:len(context_tokens)] == context_tokens and len(whole) < len(context + continuation)
             assert logprob == model.logprob(context_tokens, whole[len(context_tokens):])
+
+
+@pytest.fixture(scope="module")
+def random_run(tmp_path_factory) -> Path:
+    """A tiny untrained run: enough for lm-eval to load tasks and score a few requests."""
+    from modcli.config import DataConfig, RunConfig, TrainConfig
+    from modcli.models.build import build_model
+
+    out = tmp_path_factory.mktemp("runs") / "random"
+    config = tiny_model_config()
+    torch.manual_seed(0)
+    save_checkpoint(out, 0, build_model(config), None,
+                    RunConfig(model=config, data=DataConfig(), train=TrainConfig(out=str(out))), {"step": 0}, keep=1)
+    return out
+
+
+@needs_lm_eval
+def test_broken_task_files_and_too_many_shots_are_one_line_naming_the_task_and_file(random_run, tmp_path,
+                                                                                    monkeypatch):
+    """A task YAML that does not parse, a `!function` that names no function (a YAML parser traceback and two chained
+    tracebacks before) and --num-fewshot past the few-shot split (`ValueError: Sample larger than population` once
+    evaluation had begun): one line naming the task and its file, exit 2."""
+    import shutil
+
+    from modcli.evaluation import harness
+
+    folder = tmp_path / "tasks"
+    shutil.copytree(TASKS, folder)
+    (folder / "broken.yaml").write_text("task: broken\n  dataset_path: [\n")
+    (folder / "nofunc.yaml").write_text((TASKS / "tiny_choice.yaml").read_text().replace(
+        "data.choice", "data.nosuch").replace("modcli_tiny_choice", "modcli_nofunc"))
+    base = ["eval", str(random_run), "--device", "cpu", "--include-path", str(folder), "--limit", "2"]
+    for args, message in [
+        (["--tasks", str(folder / "broken.yaml")],
+         f"--tasks {folder / 'broken.yaml'}: lm-eval cannot load the task from {folder / 'broken.yaml'}: "
+         "ScannerError: mapping values are not allowed in this context"),
+        (["--tasks", str(folder / "nofunc.yaml")],
+         f"lm-eval cannot load the task from {folder / 'nofunc.yaml'}: AttributeError: Module "),
+        (["--tasks", f"modcli_tiny_choice,{folder / 'nofunc.yaml'}"], f"--tasks {folder / 'nofunc.yaml'}: lm-eval"),
+        (["--tasks", "modcli_tiny_choice", "--num-fewshot", "9"],
+         f"--num-fewshot 9: task modcli_tiny_choice ({folder / 'tiny_choice.yaml'}) has 8 few-shot documents in its "
+         "train split; ask for at most 8"),
+    ]:
+        result = runner.invoke(app, [*base, *args])
+        check_one_line(result, message)
+        assert "Traceback" not in result.output
+    assert "modcli_tiny_choice" in eval_tasks(random_run, "modcli_tiny_choice", "--num-fewshot", "8", "--limit",
+                                              "1")[0]
+    # an error raised in a task's own code during evaluation (here the sampler, its check bypassed): the same line
+    monkeypatch.setattr(harness, "check_few_shot", lambda *args: None)
+    check_one_line(runner.invoke(app, [*base, "--tasks", "modcli_tiny_choice", "--num-fewshot", "9"]),
+                   f"--tasks: task modcli_tiny_choice ({folder / 'tiny_choice.yaml'}) failed in lm-eval: ValueError: "
+                   "Sample larger than population")
+
+    def broken_model(*args, **kwargs):
+        raise RuntimeError("a bug in modcli's scoring")
+
+    monkeypatch.setattr(harness, "score_continuations", broken_model)  # modcli's own failure keeps its traceback
+    result = runner.invoke(app, [*base, "--tasks", "modcli_tiny_choice"])
+    assert isinstance(result.exception, RuntimeError) and "a bug in modcli's scoring" in str(result.exception)

@@ -190,13 +190,17 @@ def sentencepiece_tokenizer(writer) -> None:
 
 
 def write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray], plan: dict, tokenizer=None,
-               extra_tensors=(), **metadata) -> dict[str, str]:
-    """A GGUF file as llama.cpp's converter writes one; `metadata` replaces or adds to HYPER_PARAMETERS. Returns
+               extra_tensors=(), raw_metadata=None, **metadata) -> dict[str, str]:
+    """A GGUF file as llama.cpp's converter writes one; `metadata` replaces or adds to HYPER_PARAMETERS (a value of
+    None leaves the key out); `raw_metadata`: {key: value} written as they are, of the value's GGUF type. Returns
     each Hugging Face tensor's storage type."""
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("tiny test model")
     for key, value in (HYPER_PARAMETERS | metadata).items():
-        getattr(writer, f"add_{key}")(value)
+        if value is not None:
+            getattr(writer, f"add_{key}")(value)
+    for key, value in (raw_metadata or {}).items():
+        {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)](key, value)
     (tokenizer or byte_level_tokenizer())(writer)
     rng = np.random.default_rng(7)
     storage = {}
@@ -504,3 +508,46 @@ def test_modcli_import_reads_a_gguf_file(gguf_model, tmp_path):
     result = CliRunner().invoke(app, ["import", str(tmp_path / "bad.gguf"), "--out", str(tmp_path / "bad")])
     assert result.exit_code == 2 and "not a readable GGUF file" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+def test_malformed_models_are_one_line_exit_2_and_write_nothing(tmp_path):
+    """`modcli import FILE.gguf` of metadata of the wrong type or range, heads that do not divide the width, and
+    tensors whose shapes disagree with the metadata: one line naming the key or tensor, exit 2, no run folder
+    (these were RuntimeError, ValueError and TypeError tracebacks)."""
+    from typer.testing import CliRunner
+
+    from modcli.cli import app
+
+    tokens, _ = byte_level_vocabulary()
+    tensors = hugging_face_tensors(len(tokens), True, False, seed=3)
+    cases = []
+
+    def case(label: str, message: str, model: dict | None = None, **metadata) -> None:
+        path = tmp_path / f"{label}.gguf"
+        write_gguf(path, "llama", model or tensors, {}, **metadata)
+        cases.append((path, message))
+
+    case("heads", "metadata llama.attention.head_count (6) does not divide llama.embedding_length (64)",
+         head_count=6, head_count_kv=6, rope_dimension_count=None)
+    case("kvheads", "metadata llama.attention.head_count_kv (3) does not divide llama.attention.head_count (4)",
+         head_count_kv=3)
+    case("blocks", "metadata llama.block_count must be a positive integer, got 'two'", block_count=None,
+         raw_metadata={"llama.block_count": "two"})
+    case("noblocks", "metadata llama.block_count is missing", block_count=None)
+    case("zero", "metadata llama.feed_forward_length must be a positive integer, got 0", feed_forward_length=0)
+    case("width", "metadata llama.embedding_length must be a positive integer, got 64.0", embedding_length=None,
+         raw_metadata={"llama.embedding_length": 64.0})
+    case("eps", "metadata llama.attention.layer_norm_rms_epsilon must be a positive number, got 'tiny'",
+         layer_norm_rms_eps=None, raw_metadata={"llama.attention.layer_norm_rms_epsilon": "tiny"})
+    case("ffn", "tensor model.layers.0.mlp.gate_proj.weight has shape (256, 64), but the config makes it (128, 64) "
+         "(llama.feed_forward_length, llama.embedding_length)", feed_forward_length=128)
+    narrow_k = dict(tensors, **{"model.layers.1.self_attn.k_proj.weight": np.zeros((16, D_MODEL), np.float32)})
+    case("kshape", "tensor model.layers.1.self_attn.k_proj.weight has shape (16, 64), but the config makes it "
+         "(32, 64)", model=narrow_k)
+    case("layers", "the weights hold layers 0..1, but llama.block_count is 1", block_count=1)
+    for path, message in cases:
+        out = tmp_path / f"out-{path.stem}"
+        result = CliRunner().invoke(app, ["import", str(path), "--out", str(out)])
+        assert result.exit_code == 2, (path.name, result.output)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, (path.name, result.stderr)
+        assert "Traceback" not in result.output and not out.exists(), path.name

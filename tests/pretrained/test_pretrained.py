@@ -138,6 +138,29 @@ def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_
             (broken / "config.json").write_text(json.dumps(config))
         return edit
 
+    def drop_config(key):
+        def edit(broken: Path) -> None:
+            config = json.loads((broken / "config.json").read_text())
+            del config[key]
+            (broken / "config.json").write_text(json.dumps(config))
+        return edit
+
+    def replace_tensor(name, shape):
+        def edit(broken: Path) -> None:
+            tensors = load_file(broken / "model.safetensors")
+            tensors[name] = torch.zeros(shape)
+            save_file(tensors, broken / "model.safetensors")
+        return edit
+
+    def add_tokens(count):
+        def edit(broken: Path) -> None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(broken / "tokenizer.json"))
+            tokenizer.add_tokens([f"<extra_{i}>" for i in range(count)])
+            tokenizer.save(str(broken / "tokenizer.json"))
+        return edit
+
     def drop_tensor(broken: Path) -> None:
         tensors = load_file(broken / "model.safetensors")
         del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -153,8 +176,36 @@ def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_
     case("pickle", pickle_only, "only pickle weights (pytorch_model.bin)")
     case("window", lambda b: (set_config("use_sliding_window", True)(b), set_config("sliding_window", 8)(b)),
          "sliding-window attention (window 8) is not supported")
-    case("shape", set_config("intermediate_size", 80), "tensor for blocks.0.mlp.gate_up.weight has shape (192, 64)")
+    case("shape", set_config("intermediate_size", 80), "tensor model.layers.0.mlp.gate_proj.weight has shape "
+         "(96, 64), but the config makes it (80, 64) (intermediate_size, hidden_size)")
     case("notok", lambda b: (b / "tokenizer.json").unlink(), "no tokenizer.json")
+    # malformed configs: each field named, nothing built (these were AttributeError, KeyError, TypeError tracebacks)
+    case("list", lambda b: (b / "config.json").write_text("[1, 2]"), "config.json: must hold a JSON object")
+    case("nowidth", drop_config("hidden_size"), "config.json: hidden_size is missing")
+    case("wordwidth", set_config("hidden_size", "sixty-four"),
+         "config.json: hidden_size must be an integer >= 1, got 'sixty-four'")
+    case("nulllayers", set_config("num_hidden_layers", None),
+         "config.json: num_hidden_layers must be an integer >= 1, got None")
+    case("zeroheads", set_config("num_attention_heads", 0), "num_attention_heads must be an integer >= 1, got 0")
+    case("truelayers", set_config("num_hidden_layers", True), "num_hidden_layers must be an integer >= 1, got True")
+    case("heads", set_config("num_attention_heads", 6),
+         "num_attention_heads (6) does not divide hidden_size (64) and no head_dim gives the head size")
+    case("kvheads", set_config("num_key_value_heads", 3), "num_key_value_heads (3) does not divide "
+         "num_attention_heads (4)")
+    case("eps", set_config("rms_norm_eps", "small"), "rms_norm_eps must be a positive number, got 'small'")
+    case("scaling", set_config("rope_scaling", {"rope_type": "llama3"}),
+         "rope_scaling's factor must be a positive number, got None")
+    case("architectures", set_config("architectures", "Qwen2ForCausalLM"), "architectures must be a list of names")
+    # weights that disagree with the config (torch.cat's "Sizes of tensors must match" before)
+    case("kshape", replace_tensor("model.layers.1.self_attn.k_proj.weight", (32, 48)),
+         "tensor model.layers.1.self_attn.k_proj.weight has shape (32, 48), but the config makes it (32, 64) "
+         "(num_key_value_heads x head_dim, hidden_size)")
+    case("layers", set_config("num_hidden_layers", 2), "the weights hold layers 0..2, but num_hidden_layers is 2")
+    case("manylayers", set_config("num_hidden_layers", 10**9), "the weights hold layers 0..2, but num_hidden_layers "
+         "is 1000000000")
+    # a tokenizer with ids past the model's vocabulary (an IndexError in generate and eval before)
+    case("bigtok", add_tokens(40), "the tokenizer has 340 tokens but the model's vocabulary has 320")
+    case("badtok", lambda b: (b / "tokenizer.json").write_text("{}"), "not a readable tokenizer.json")
     for broken, message in cases:
         out = tmp_path / f"out-{broken.name}"
         result = import_run(broken, out)
