@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
@@ -42,12 +44,20 @@ LEGACY_DEFAULTS: dict[str, dict[str, tuple[Any, Any]]] = {
               "attention_score": ("seen-by", lambda model: _reads_attention(model))},
     "train": {"expert_aux_sum": (False, lambda train: True),
               "expert_gate_lr_scale": (lambda train: train.get("router_lr_scale", TrainConfig.router_lr_scale),
-                                       lambda train: True)},
+                                       lambda train: True),
+              "expert_capacity_warmup": (0, lambda train: True)},
 }
 """Fields added after runs were saved whose new default changes what such a run computes: section -> field ->
 (the old behaviour's value, or a function of the saved section giving it; which saved sections it applies to). A
 config.json without the field (a run saved before it existed) reads it with that value (`RunConfig.read_saved`);
 a new run, from flags, a preset or a TOML file, gets the field's default."""
+
+
+EXPERT_RECIPE = {"expert_gate_lr_scale": 0.1, "expert_capacity_warmup": 100}
+"""The MoE training defaults of a learned gate (docs/families.md): on `modcli train --preset tiny --dense --experts 4
+--max-steps 60` Switch's settings (the gate at --lr, no warm-up) dropped 14-49% of the expert choices at every step
+from step 10 on; this recipe drops none in the warm-up and at most 8% at a step after it (160 steps). A run saved
+before the fields existed loads with the old values (LEGACY_DEFAULTS); later runs' config.json holds them."""
 
 
 def _family_owns(model: dict[str, Any], option: str) -> bool:
@@ -437,17 +447,19 @@ class TrainConfig:
     expert_aux_weight: float = 0.01
     """Weight of the MoE load-balancing loss (Switch Transformer) of each MoE block, the losses summed (Switch's
     0.01 per layer); with --experts."""
-    expert_capacity_warmup: int = 0
+    expert_capacity_warmup: int | None = None
     """MoE: the first this many steps train with no expert capacity limit (no choice dropped while the gate learns
-    to balance; each expert does the whole batch's slots, and the FLOP count says so); 0 = off."""
+    to balance; each expert does the whole batch's slots, and the FLOP count says so); 0 = off. None = 100 with a
+    learned gate (EXPERT_RECIPE: with --expert-gate-lr-scale 0.1, no step from step 10 on drops over 10%), 0 with
+    hash routing (a fixed table learns nothing) or without experts; runs saved before this default load with 0."""
     expert_aux_sum: bool = True
     """Sum the MoE blocks' load-balancing losses (Switch); False averages them over the blocks, as runs saved before
     this option did (their config.json loads with False)."""
     router_lr_scale: float = 1.0
     """Learning rate of the router parameters (and predictor) relative to --lr."""
-    expert_gate_lr_scale: float = 1.0
+    expert_gate_lr_scale: float = 0.1
     """Learning rate of the MoE gates relative to --lr (a token's first choice flips with a small change of its gate,
-    and a lower rate moves fewer tokens between experts: docs/results.md); runs saved before this option load with
+    and a lower rate moves fewer tokens between experts: docs/families.md); runs saved before this option load with
     their --router-lr-scale, which the gates followed then."""
     capacity_warmup: int = 0
     """Steps over which the capacity anneals linearly from 1.0 to --capacity (k is fixed within a step); 0 = off."""
@@ -500,7 +512,7 @@ class TrainConfig:
         require(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         require(self.router_aux_weight >= 0, f"--router-aux-weight must be >= 0, got {self.router_aux_weight}")
         require(self.expert_aux_weight >= 0, f"--expert-aux-weight must be >= 0, got {self.expert_aux_weight}")
-        require(self.expert_capacity_warmup >= 0,
+        require(self.expert_capacity_warmup is None or self.expert_capacity_warmup >= 0,
                 f"--expert-capacity-warmup must be >= 0, got {self.expert_capacity_warmup}")
         require(self.router_lr_scale > 0, f"--router-lr-scale must be positive, got {self.router_lr_scale}")
         require(self.expert_gate_lr_scale > 0,
@@ -521,6 +533,14 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        # Defaults that depend on the model, resolved here so that config.json holds the value the run used (a copy:
+        # the TrainConfig given may serve another model too).
+        if self.train.expert_capacity_warmup is None:
+            learned = self.model.experts > 0 and self.model.expert_routing == "learned"
+            self.train = dataclasses.replace(
+                self.train, expert_capacity_warmup=EXPERT_RECIPE["expert_capacity_warmup"] if learned else 0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -577,20 +597,37 @@ def check_config_values(raw: Any, where: str | None = None) -> None:
         values = raw.get(section, {})
         if not isinstance(values, dict):
             raise UserError(f"{prefix}{section} must be an object, got {values!r}")
-        try:
-            hints = typing.get_type_hints(cls)
-        except Exception:  # an annotation that does not resolve here: leave the checks to the dataclass
-            continue
-        for name, value in values.items():
-            if name in hints and not _fits(value, hints[name]):
-                label = f"{where}: {section}.{name}" if where else f"--{name.replace('_', '-')}"
-                raise UserError(f"{label} must be {_describe(hints[name])}, got {value!r}")
+        check_field_types(cls, values, lambda name, section=section: f"{where}: {section}.{name}" if where
+                          else f"--{name.replace('_', '-')}")
 
 
-def _fits(value: Any, hint: Any) -> bool:
+def check_field_types(cls: type, values: dict[str, Any], label: Callable[[str], str]) -> None:
+    """Each value named like a field of the dataclass `cls` has that field's annotated type (a bool is no number, a
+    number is finite, an int is no float); the first that does not is one UserError, "<label(name)> must be <type>,
+    got <value>". Names that are not fields are left to the caller. The one type check of config files: run configs
+    (`check_config_values`), `--config` TOML files (`load_toml`), sweep grids (modcli.sweep.grid)."""
+    hints = field_types(cls)
+    for name, value in values.items():
+        if name in hints and not value_fits(value, hints[name]):
+            raise UserError(f"{label(name)} must be {describe_type(hints[name])}, got {value!r}")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The dataclass's fields and their annotated types ({} when an annotation does not resolve here: the
+    dataclass's own checks are then all there is)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:
+        return {}
+    return {f.name: hints[f.name] for f in fields(cls) if f.name in hints}
+
+
+def value_fits(value: Any, hint: Any) -> bool:
+    """`value` (as JSON or TOML gives it) has the type `hint` (bool, int, float, str, list[...], dict, None, unions)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, arm) for arm in args)
+        return any(value_fits(value, arm) for arm in args)
     if hint is type(None):
         return value is None
     if hint is bool:
@@ -602,21 +639,22 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is str:
         return isinstance(value, str)
     if origin is list:
-        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+        return isinstance(value, list) and (not args or all(value_fits(v, args[0]) for v in value))
     if origin is dict or hint is dict:
         return isinstance(value, dict)
     return True
 
 
-def _describe(hint: Any) -> str:
+def describe_type(hint: Any) -> str:
+    """The type `hint` in words: "an integer", "a finite number or null", "true or false"."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arm) for arm in args)
+        return " or ".join(describe_type(arm) for arm in args)
     names = {type(None): "null", bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
     if hint in names:
         return names[hint]
     if origin is list:
-        return f"a list of {_describe(args[0])}s" if args else "a list"
+        return f"a list of {describe_type(args[0])}s" if args else "a list"
     if origin is dict or hint is dict:
         return "an object"
     return getattr(hint, "__name__", str(hint))
@@ -638,8 +676,40 @@ def _section_of(key: str) -> str:
     raise UserError(f"unknown option {key!r} (flags and config keys use the same names)")
 
 
+FLAG_ONLY_KEYS: dict[str, Any] = {"dense": bool, "preset": str}
+"""Keys of a --config file that set no config field themselves: --dense (routing off) and --preset (the values the
+file and the flags start from); a sweep grid's tables take dense."""
+LIST_FLAGS = ("route_layers", "recursion_capacities")
+"""List fields that a flag (and so a config file) may also spell as comma-separated text, "1,3,5"."""
+
+
+@functools.cache
+def flag_types() -> dict[str, Any]:
+    """Every key a --config file or a sweep grid's table may hold, and its type: the fields of the model, data and
+    train configs, and FLAG_ONLY_KEYS."""
+    hints = {name: hint for cls in SECTIONS.values() for name, hint in field_types(cls).items()}
+    for name in LIST_FLAGS:
+        hints[name] = typing.Union[hints[name], str]  # noqa: UP007 (a runtime union of a generic alias)
+    return {**hints, **FLAG_ONLY_KEYS}
+
+
+def check_flag_types(values: dict[str, Any], label: Callable[[str], str], alternatives: bool = False) -> None:
+    """Each value of a flag-named key (`flag_types`) has its type; with `alternatives` (a sweep's [[variant]]), a
+    list of values of that type lists alternatives. Keys that are no flag are left to the caller."""
+    hints = flag_types()
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is None or value_fits(value, hint):
+            continue
+        if alternatives and isinstance(value, list) and value and all(value_fits(v, hint) for v in value):
+            continue
+        listed = " (or a list of alternatives)" if alternatives else ""
+        raise UserError(f"{label(name)} must be {describe_type(hint)}{listed}, got {value!r}")
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config: flat keys named like the flags (dashes or underscores), or [model]/[data]/[train]."""
+    """Read a TOML config: flat keys named like the flags (dashes or underscores), or [model]/[data]/[train] tables
+    of them, and `preset`. Every key must be a flag's, with that flag's type: one UserError naming the file and key."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config: no such file: {p}")
@@ -650,25 +720,43 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         if isinstance(value, dict):
+            if key not in SECTIONS:
+                raise UserError(f"--config {p}: unknown table [{key}]; the tables are [model], [data] and [train] "
+                                "(or put the keys at the top)")
             flat.update({k.replace("-", "_"): v for k, v in value.items()})
         else:
             flat[key.replace("-", "_")] = value
+    unknown = sorted(set(flat) - set(flag_types()))
+    if unknown:
+        raise UserError(f"--config {p}: unknown option {unknown[0]!r} (flags and config keys use the same names)")
+    check_flag_types(flat, lambda name: f"--config {p}: {name}")
+    if "preset" in flat and flat["preset"] not in PRESETS:
+        raise UserError(f"--config {p}: preset must be one of {', '.join(PRESETS)}, got {flat['preset']!r}")
     return flat
 
 
 def resolve_run_config(
-    preset: str | None = "tiny", config_file: str | None = None, overrides: dict[str, Any] | None = None
+    preset: str | None = "tiny", config_file: str | None = None, overrides: dict[str, Any] | None = None,
+    default_preset: str | None = None,
 ) -> RunConfig:
-    """Merge preset < TOML file < flags (flags win) into a validated RunConfig."""
+    """Merge preset < TOML file < flags (flags win) into a validated RunConfig. `preset` is the command line's
+    --preset (None: not given); without it the file's `preset` key chooses, then `default_preset` (None: no preset,
+    the dataclasses' defaults)."""
+    from_file = load_toml(config_file) if config_file else {}
+    file_preset = from_file.pop("preset", None)
+    if preset is None:
+        preset = file_preset if file_preset is not None else default_preset
     merged: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
             raise UserError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
         merged.update(PRESETS[preset])
-    if config_file:
-        merged.update(load_toml(config_file))
+    merged.update(from_file)
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    if merged.pop("dense", False):
+    dense = merged.pop("dense", False)
+    if not isinstance(dense, bool):  # a file's types are checked in load_toml; this is the library's caller
+        raise UserError(f"--dense must be true or false, got {dense!r}")
+    if dense:
         merged["route_every"], merged["route_layers"] = 0, None
     if isinstance(merged.get("route_layers"), str):  # the flag: "1,3,5"
         try:

@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from modcli.errors import UserError
+
 stderr_console = Console(stderr=True)
 
 
@@ -22,10 +24,11 @@ class MetricsLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            # Drop lines written after the checkpoint we resume from, so the log matches the resumed run.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            # Drop lines written after the checkpoint we resume from, so the log matches the resumed run (and a
+            # last line cut short by a kill: read_metrics_file).
+            records, _ = read_metrics_file(self.path)
+            self.path.write_text("".join(json.dumps(record) + "\n" for record in records
+                                         if record.get("step", 0) <= resume_step))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         self.file = open(self.path, "a")
@@ -48,6 +51,33 @@ class MetricsLog:
         self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def read_metrics_file(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """metrics.jsonl's records in order, and a note to print, if any. A damaged last line (cut short: what a kill in
+    the middle of a write leaves) is dropped and the note says so; a damaged line before it (not UTF-8, not a JSON
+    object, a step that is no integer) was not written by a kill: a UserError naming the file and line."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    numbered = [(number, line) for number, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+    records: list[dict[str, Any]] = []
+    for index, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            record = None
+        step = record.get("step", 0) if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            records.append(record)
+        elif index == len(numbered) - 1:
+            return records, f"note: {path}: its last line, line {number}, was cut short (a kill in the middle of a " \
+                             "write); dropped"
+        else:
+            raise UserError(f"{path}: line {number} is damaged (not a metrics record: a JSON object with an integer "
+                            "step); repair or delete that line")
+    return records, None
 
 
 def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -5,7 +5,6 @@ matplotlib is imported inside each function (Agg backend, no display), so import
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from modcli.errors import UserError
+from modcli.reports.console import read_metrics_file, stderr_console
 
 OFF_SCALE_NATS = 0.4
 """isoflop.png leaves out of a panel's axis range a curve whose lowest point is this far above the budget's best."""
@@ -199,20 +199,16 @@ def frontier_plot(runs: list[dict[str, Any]], path: str | Path) -> str:
 
 
 def read_metrics(run: str | Path) -> list[dict[str, Any]]:
-    """A run folder's metrics.jsonl (what `modcli train` writes), one dict per step."""
+    """A run folder's metrics.jsonl (what `modcli train` writes), one dict per step: a damaged last line is dropped
+    with a note on stderr, a damaged line before it is a UserError naming it (`read_metrics_file`)."""
     path = Path(run) / "metrics.jsonl"
     if not Path(run).is_dir():
         raise UserError(f"no such run folder: {run}")
     if not path.is_file():
         raise UserError(f"{run} has no metrics.jsonl: not a run folder of `modcli train` or `modcli sweep`")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise UserError(f"{path}: line {number} is not JSON") from None
+    records, note = read_metrics_file(path)  # a last line cut short (a run killed or still writing) is dropped
+    if note:
+        stderr_console.print(note, highlight=False, soft_wrap=True)
     if not records:
         raise UserError(f"{path} is empty: the run has not trained a step yet")
     return records

@@ -16,7 +16,17 @@ from typing import Any
 
 from filelock import FileLock
 
-from modcli.config import DataConfig, ModelConfig, RunConfig, TrainConfig, require
+from modcli.config import (
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    check_field_types,
+    check_flag_types,
+    describe_type,
+    require,
+    value_fits,
+)
 from modcli.errors import UserError
 
 GRID_KEYS = ("preset", "budgets", "common", "size", "variant", "eval", "profile")
@@ -28,6 +38,9 @@ SWEEP_SETS = ("out", "resume", "flops_budget", "max_steps", "init_from")
 FLAG_KEYS = frozenset({f.name for cls in (ModelConfig, DataConfig, TrainConfig) for f in fields(cls)} | {"dense"})
 IGNORED_WHEN_COMPARING = ("out", "resume", "device", "log_every", "keep")
 """Train fields that do not change what a run computes: a run folder made with other values is still this point."""
+EXPERT_TRAIN_FIELDS = ("expert_aux_weight", "expert_capacity_warmup", "expert_aux_sum", "expert_gate_lr_scale")
+"""Train fields that act on MoE MLPs only: a model without experts computes the same whatever they hold (their
+defaults changed; a sweep made before still continues)."""
 RESULTS = "results.jsonl"
 RUNS = "runs"
 LOCKS = ".locks"
@@ -204,7 +217,7 @@ def load_grid(path: str | Path) -> Grid:
     variants = []
     for i, table in enumerate(_tables(raw.get("variant", [{}]), p, "variant")):
         where = f"{p}: [[variant]] {i + 1}"
-        name, flags, only_budgets, only_sizes = _named(table, where, grid_budgets)
+        name, flags, only_budgets, only_sizes = _named(table, where, grid_budgets, alternatives=True)
         if "seed" not in flags and common_seeds is not None:
             flags["seed"] = common_seeds
         seeded = isinstance(flags.get("seed"), list)
@@ -227,7 +240,9 @@ def _tables(value: Any, path: Path, key: str) -> list[dict[str, Any]]:
     return value
 
 
-def _flags(table: Any, where: str) -> dict[str, Any]:
+def _flags(table: Any, where: str, alternatives: bool = False) -> dict[str, Any]:
+    """A table of flags, each a flag of `modcli train` with that flag's type (`modcli.config.check_flag_types`, as a
+    --config file's); with `alternatives` (a [[variant]]) a list of such values lists alternatives."""
     require(isinstance(table, dict), f"{where} must be a table of flags")
     flags = {key.replace("-", "_"): value for key, value in table.items()}
     for key in flags:
@@ -236,10 +251,11 @@ def _flags(table: Any, where: str) -> dict[str, Any]:
         if key not in FLAG_KEYS:
             raise UserError(f"{where}: unknown key {key!r} (keys are the flags of `modcli train`, e.g. d_model, "
                             "router, capacity, lr)")
+    check_flag_types(flags, lambda name: f"{where}: {name}", alternatives)
     return flags
 
 
-def _named(entry: dict[str, Any], where: str, grid_budgets: list[float]
+def _named(entry: dict[str, Any], where: str, grid_budgets: list[float], alternatives: bool = False
            ) -> tuple[str | None, dict[str, Any], list[float] | None, list[str] | None]:
     """A [[size]] or [[variant]] table -> (name, flags, its budgets or None, its size labels or None)."""
     entry = dict(entry)
@@ -260,7 +276,7 @@ def _named(entry: dict[str, Any], where: str, grid_budgets: list[float]
         require(isinstance(only_sizes, list) and len(only_sizes) > 0 and all(isinstance(n, str) for n in only_sizes),
                 f"{where}: sizes must be a non-empty list of size labels (e.g. \"d32-L4\" or a size's name), "
                 f"got {only_sizes!r}")
-    flags = _flags(entry, where)
+    flags = _flags(entry, where, alternatives)
     if isinstance(flags.get("seed"), list):
         _check_seeds(flags["seed"], where)
     return name, flags, only_budgets, only_sizes
@@ -290,6 +306,7 @@ def _settings(cls: type, table: Any, where: str) -> Any:
     unknown = sorted(set(table) - names)
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; it takes {', '.join(sorted(names))}")
+    check_field_types(cls, table, lambda name: f"{where} {name}")  # "batches = 2.5" or "four": one line, at load
     return cls(**table)
 
 
@@ -321,14 +338,23 @@ def variant_label(name: str | None, flags: dict[str, Any], config: RunConfig) ->
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
-    """A run config as a dict without the fields that do not change what the run computes. A config saved before a
-    field existed gets that field's default (as loading its checkpoint does), so a newer modcli still resumes it."""
+    """A run config as a dict without the fields that do not change what the run computes (and the MoE training
+    fields of a model without experts). A config saved before a field existed reads it as loading its checkpoint
+    does (`RunConfig.read_saved`), so a newer modcli still resumes it, and a default changed since does not make a
+    run trained with the old one pass for a new point."""
+    if not isinstance(config, dict):  # a damaged config.json: like no run config at all
+        return {}
     try:
-        config = RunConfig.from_dict(config).to_dict()
-    except (UserError, TypeError):
+        config = RunConfig.read_saved(config).to_dict()
+    except (UserError, TypeError, ValueError, AttributeError):
         config = json.loads(json.dumps(config))
+    train = config.get("train", {}) if isinstance(config.get("train"), dict) else {}
     for key in IGNORED_WHEN_COMPARING:
-        config.get("train", {}).pop(key, None)
+        train.pop(key, None)
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    if not model.get("experts"):
+        for key in EXPERT_TRAIN_FIELDS:
+            train.pop(key, None)
     return config
 
 
@@ -338,19 +364,65 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if old.get(section, {}).get(key) != new[section].get(key)]
 
 
-def read_results(out: Path) -> dict[str, dict[str, Any]]:
-    """results.jsonl as name -> object; a line cut short by an interruption is dropped (its run is redone)."""
+RECORD_TYPES: dict[str, Any] = {
+    "name": str, "budget": float, "size": str, "variant": str, "dense": bool, "parameters": int, "step_flops": float,
+    "config": dict, "seed": int | None, "planned_steps": int, "steps": int, "flops": float, "train_loss": float | None,
+    "train_wall_s": float | None, "causal_loss": float | None, "causal_mode": str, "reference_loss": float | None,
+    "reference_mode": str | None, "diverged": str | bool | None, "latency": dict | None, "losses": dict,
+}
+"""The keys of a results.jsonl record that the summary, the analysis and the plots read, and their types."""
+RECORD_REQUIRED = ("name", "budget", "size", "variant", "dense", "parameters", "step_flops", "config")
+"""Keys of every record (`planned_record`); a finished one (a causal loss) also has FINISHED_REQUIRED."""
+FINISHED_REQUIRED = ("steps", "flops", "causal_mode")
+LATENCY_TYPES: dict[str, Any] = {f"{prefix}{quantity}_{unit}": float | None for quantity in ("forward", "prefill", "decode")
+                                 for prefix, unit in (("", "ms"), ("dense_", "ms"), ("", "ratio"), ("", "ideal_ratio"))}
+
+
+def record_problem(record: Any) -> str | None:
+    """What is wrong with a results.jsonl record (hand-edited or damaged), in words; None when it can be used."""
+    if not isinstance(record, dict):
+        return f"not a JSON object but {type(record).__name__}"
+    missing = [key for key in RECORD_REQUIRED if key not in record]
+    if record.get("causal_loss") is not None:
+        missing += [key for key in FINISHED_REQUIRED if key not in record]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for types_, values, prefix in ((RECORD_TYPES, record, ""), (LATENCY_TYPES, record.get("latency") or {}, "latency.")):
+        for key, hint in types_.items():
+            if key in values and not value_fits(values[key], hint):
+                return f"{prefix}{key} must be {describe_type(hint)}, got {values[key]!r}"
+    for key in ("budget", "parameters", "step_flops"):  # the analysis divides by them and takes their logarithms
+        if record[key] <= 0:
+            return f"{key} must be positive, got {record[key]!r}"
+    return None
+
+
+def read_results(out: Path, notes: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """results.jsonl as name -> object. A line that is no usable record (cut short by an interruption, not UTF-8 or
+    JSON, hand-edited into other types: `record_problem`) is skipped, its point run again (or, with --report-only,
+    listed unfinished); each such line adds a note naming the file and line to `notes`."""
     path = out / RESULTS
     results: dict[str, dict[str, Any]] = {}
     if not path.is_file():
         return results
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
             continue
-        if isinstance(record, dict) and "name" in record:
-            results[record["name"]] = record
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            problem = "not a JSON object (cut short, or not text)"
+        else:
+            problem = record_problem(record)
+        if problem is not None:
+            if notes is not None:
+                notes.append(f"note: {path} line {number} skipped: {problem}")
+            continue
+        results[record["name"]] = record
     return results
 
 

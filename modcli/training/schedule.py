@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from modcli.config import ModelConfig, RunConfig, TrainConfig
 from modcli.models.flops import training_flops
+from modcli.models.routing.base import Router
 
 
 def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -29,11 +30,12 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.A
     of their groups). Parameters with the same decay and scale share a group, so a run whose scales are all 1 has
     the two groups it always had."""
     groups: dict[tuple[bool, float], list[torch.nn.Parameter]] = {}
+    routers = router_parameter_names(model)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decays = param.ndim >= 2 and "embed" not in name
-        groups.setdefault((decays, lr_scale_of(name, config)), []).append(param)
+        groups.setdefault((decays, lr_scale_of(name, config, name in routers)), []).append(param)
     ordered = sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1] != 1.0, -item[0][1]))
     return torch.optim.AdamW(
         [{"params": params, "weight_decay": config.weight_decay if decays else 0.0, "lr_scale": scale}
@@ -41,18 +43,23 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.A
         lr=config.lr, betas=(0.9, 0.95), **_fused_if_possible([p for params in groups.values() for p in params]))
 
 
-def lr_scale_of(name: str, config: TrainConfig) -> float:
-    """A parameter's learning rate relative to --lr, by its name in the decoder."""
+def lr_scale_of(name: str, config: TrainConfig, is_router: bool) -> float:
+    """A parameter's learning rate relative to --lr: `is_router` (`router_parameter_names`) at --router-lr-scale, an
+    MoE gate at --expert-gate-lr-scale."""
     if is_expert_gate_parameter(name):
         return config.expert_gate_lr_scale
-    return config.router_lr_scale if is_router_parameter(name) else 1.0
+    return config.router_lr_scale if is_router else 1.0
 
 
-def is_router_parameter(name: str) -> bool:
-    """A routing parameter, by its name in the decoder (a DDP / compile wrapper's prefix allowed): an MoD block's
-    router and predictor (`blocks.1.router.`), an MoR step's (`routers.0.`)."""
-    dotted = f".{name}"
-    return ".router." in dotted or ".routers." in dotted
+def router_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The routing parameters of `model`, by their names in `model.named_parameters()` (a DDP / compile wrapper's
+    prefix included): every parameter of a routing module (modcli.models.routing.base.Router, its predictor
+    included), wherever the family keeps it: an MoD block's router (`blocks.1.router.`), an MoR step's
+    (`routers.0.`). The one answer to "is this a router parameter" for the learning rates, --trainable and what an
+    --init-from conversion starts afresh."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules() if isinstance(module, Router)
+            for name, _ in module.named_parameters()}
 
 
 def is_expert_gate_parameter(name: str) -> bool:

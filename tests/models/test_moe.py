@@ -416,7 +416,7 @@ def test_expert_tensors_decay_and_the_gate_learns_at_its_own_lr_scale():
     assert group_of["blocks.0.mlp.gate.weight"]["lr_scale"] == 0.2
     assert group_of["blocks.1.router.score.weight"]["lr_scale"] == 0.5
     assert group_of["blocks.0.attn_norm.weight"]["weight_decay"] == 0.0
-    assert TrainConfig().expert_gate_lr_scale == 1.0 and TrainConfig().router_lr_scale == 1.0
+    assert TrainConfig().expert_gate_lr_scale == 0.1 and TrainConfig().router_lr_scale == 1.0
 
 
 def test_scales_of_one_keep_the_two_groups_and_equal_scales_share_one():
@@ -424,7 +424,7 @@ def test_scales_of_one_keep_the_two_groups_and_equal_scales_share_one():
     from modcli.training.schedule import make_optimizer
 
     model = MoDDecoder(tiny_model_config(**FAMILIES["staged"]))
-    plain = make_optimizer(model, TrainConfig())
+    plain = make_optimizer(model, TrainConfig(expert_gate_lr_scale=1.0))
     assert [(g["weight_decay"], g["lr_scale"]) for g in plain.param_groups] == [(0.1, 1.0), (0.0, 1.0)]
     shared = make_optimizer(model, TrainConfig(router_lr_scale=0.5, expert_gate_lr_scale=0.5))
     assert [(g["weight_decay"], g["lr_scale"]) for g in shared.param_groups] == [
@@ -454,7 +454,7 @@ def test_a_config_saved_before_the_gate_lr_scale_keeps_its_router_lr_scale_on_th
     assert RunConfig.read_saved(saved).train.expert_gate_lr_scale == 1.0
     saved["train"]["router_lr_scale"] = 0.3
     assert RunConfig.read_saved(saved).train.expert_gate_lr_scale == 0.3
-    assert RunConfig.from_dict(saved).train.expert_gate_lr_scale == 1.0
+    assert RunConfig.from_dict(saved).train.expert_gate_lr_scale == 0.1  # a new run's default
 
 
 def test_a_config_saved_before_expert_weight_loads_with_the_probability_weight():
@@ -577,3 +577,45 @@ def test_config_kind_names_each_family():
     assert ModelConfig().kind == "MoD topk, c=0.125"
     assert ModelConfig(experts=4).kind == "staged MoDE (MoD topk, c=0.125, E=4, top-1)"
     assert ModelConfig(experts=4, route_every=0, expert_routing="hash").kind == "MoE (E=4, top-1, hash)"
+
+
+def test_a_new_learned_gate_run_gets_the_measured_recipe_and_hash_or_no_experts_no_warmup(tmp_path, corpus_file):
+    """`modcli train --experts E` with default flags trains the gate at 0.1 x --lr with a 100-step capacity warm-up
+    (docs/families.md: Switch's defaults dropped up to half the choices at a step); hash routing has no gate to
+    warm up, a model without experts nothing to drop."""
+    from modcli.checkpoint.store import read_config
+
+    common = ["train", "--data", str(corpus_file), "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len",
+              "32", "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--device",
+              "cpu", "--dense"]
+    for name, flags, warmup in (("learned", ["--experts", "2"], 100),
+                                ("hash", ["--experts", "2", "--expert-routing", "hash"], 0), ("dense", [], 0)):
+        result = CliRunner().invoke(app, [*common, *flags, "--out", str(tmp_path / name), "--json"])
+        assert result.exit_code == 0, result.output
+        raw = json.loads(next((tmp_path / name).glob("step-*/config.json")).read_text())
+        assert (raw["train"]["expert_gate_lr_scale"], raw["train"]["expert_capacity_warmup"]) == (0.1, warmup), name
+        saved = read_config(next((tmp_path / name).glob("step-*")))
+        assert (saved.train.expert_gate_lr_scale, saved.train.expert_capacity_warmup) == (0.1, warmup)
+    assert json.loads(result.stdout)["expert_dropped_max"] is None  # the dense run
+    # the flags still win
+    result = CliRunner().invoke(app, [*common, "--experts", "2", "--expert-capacity-warmup", "0",
+                                      "--expert-gate-lr-scale", "1", "--out", str(tmp_path / "switch")])
+    assert result.exit_code == 0, result.output
+    saved = read_config(next((tmp_path / "switch").glob("step-*")))
+    assert (saved.train.expert_gate_lr_scale, saved.train.expert_capacity_warmup) == (1.0, 0)
+
+
+def test_a_config_saved_before_the_recipe_loads_with_the_old_values():
+    """A config.json without the fields (a run saved before them) reads Switch's old values: the gate at its
+    --router-lr-scale, no capacity warm-up; so does modcli 0.1.0's run."""
+    from pathlib import Path
+
+    from modcli.checkpoint.store import read_config
+
+    saved = RunConfig(model=tiny_model_config(**FAMILIES["moe"])).to_dict()
+    assert (saved["train"]["expert_gate_lr_scale"], saved["train"]["expert_capacity_warmup"]) == (0.1, 100)
+    del saved["train"]["expert_gate_lr_scale"], saved["train"]["expert_capacity_warmup"]
+    old = RunConfig.read_saved(saved).train
+    assert (old.expert_gate_lr_scale, old.expert_capacity_warmup) == (1.0, 0)
+    legacy = read_config(Path(__file__).resolve().parents[1] / "fixtures" / "legacy_v0_1_0" / "run" / "step-00000003")
+    assert (legacy.train.expert_gate_lr_scale, legacy.train.expert_capacity_warmup) == (1.0, 0)

@@ -198,3 +198,55 @@ def test_every_command_works_with_recursion(tmp_path, corpus_file):
     result = runner.invoke(app, ["export", run, "--out", str(tmp_path / "bundle")])
     assert result.exit_code == 2 and "--arch recursion" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "bundle").exists()
+
+
+def test_the_router_parameters_are_the_routers_of_every_family():
+    """One answer to "is this a router parameter" (the learning rates, --trainable, --init-from): MoR's step routers
+    (`routers.N.`) as much as an MoD block's (`blocks.N.router.`)."""
+    from modcli.models.decoder import MoDDecoder
+    from modcli.training.loop import freeze_for
+    from modcli.training.schedule import router_parameter_names
+    from tests.conftest import tiny_model_config
+
+    mor = fresh()
+    names = router_parameter_names(mor)
+    assert names and all(name.startswith("routers.") for name in names)
+    assert names == {name for name, _ in mor.named_parameters() if name.startswith("routers.")}
+    freeze_for(mor, "routers")
+    assert {name for name, p in mor.named_parameters() if p.requires_grad} == names
+    mod = MoDDecoder(tiny_model_config())
+    assert router_parameter_names(mod) == {name for name, _ in mod.named_parameters() if ".router." in name}
+
+
+def test_trainable_routers_converts_a_recursion_run_training_only_its_routers(tmp_path, corpus_file):
+    from safetensors.torch import load_file
+
+    runner = CliRunner()
+    common = ["--data", str(corpus_file), "--arch", "recursion", "--n-layers", "5", "--d-model", "32", "--n-heads",
+              "4", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--eval-every", "2", "--eval-batches",
+              "1", "--device", "cpu"]
+    result = runner.invoke(app, ["train", *common, "--out", str(tmp_path / "A")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["train", "--init-from", str(tmp_path / "A"), *common, "--trainable", "routers",
+                                 "--out", str(tmp_path / "B"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["steps"] == 2
+    before = load_file(str(tmp_path / "A" / "step-00000002" / "model.safetensors"))
+    after = load_file(str(tmp_path / "B" / "step-00000002" / "model.safetensors"))
+    routers = {name for name in after if name.startswith("routers.")}
+    assert routers and all(torch.equal(after[name], before[name]) for name in after if name not in routers)
+    assert any(not torch.equal(after[name], before[name]) for name in routers)
+
+
+def test_trainable_routers_of_a_model_without_router_parameters_is_one_line(tmp_path, corpus_file):
+    runner = CliRunner()
+    common = ["--data", str(corpus_file), "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32",
+              "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1", "--device", "cpu",
+              "--dense"]
+    assert runner.invoke(app, ["train", *common, "--out", str(tmp_path / "A")]).exit_code == 0
+    result = runner.invoke(app, ["train", "--init-from", str(tmp_path / "A"), *common, "--trainable", "routers",
+                                 "--out", str(tmp_path / "B")])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "--trainable routers: the model (dense) has no router parameters to train" in result.stderr
+    assert not list((tmp_path / "B").glob("step-*"))

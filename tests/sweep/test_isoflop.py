@@ -121,7 +121,7 @@ def test_two_sweep_processes_share_one_folder(tmp_path, corpus_file):
     assert table.exit_code == 0 and "1 finished, report only" in words
     assert "budget 2.5e8 topk: lowest" in words and "bracketed: no; too few sizes for a fit" in words
     # What the other process would write meanwhile is merged, not overwritten.
-    update_results(out, {"name": "someone-else", "budget": 1.0})
+    update_results(out, {**first.runs[1], "name": "someone-else"})  # a whole record, as a sweep writes one
     second = run_sweep(SweepConfig(grid=str(grid), out=str(out), plots=False), quiet=True)
     assert second.trained == ["2.5e8_d32-L2_dense"] and second.skipped == ["2.5e8_d32-L2_topk"]
     assert set(read_results(out)) == {"2.5e8_d32-L2_topk", "someone-else", "2.5e8_d32-L2_dense"}

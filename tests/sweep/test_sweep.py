@@ -189,6 +189,33 @@ def test_a_bad_grid_exits_2_before_any_training(tmp_path, corpus_file, grid, mes
     assert not (tmp_path / "out").exists()
 
 
+WRONG_TYPES = [
+    (("batches = 2\n", 'batches = "four"\n'), "[eval] batches must be an integer, got 'four'"),
+    (("batches = 2\n", "batches = 2.5\n"), "[eval] batches must be an integer, got 2.5"),
+    (("repeats = 1\n", 'repeats = "5"\n'), "[profile] repeats must be an integer, got '5'"),
+    (("repeats = 1\n", "repeats = 1.5\n"), "[profile] repeats must be an integer, got 1.5"),
+    (("dense = true\n", 'dense = "no"\n'), "[[variant]] 1: dense must be true or false"),
+    (('router = "topk"\n', 'router = "topk"\ncapacity = [0.25, "half"]\n'),
+     "[[variant]] 2: capacity must be a finite number (or a list of alternatives), got [0.25, 'half']"),
+    (("d_model = 32\n", 'd_model = "32"\n'), "[common]: d_model must be an integer, got '32'"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), WRONG_TYPES, ids=[m for _, m in WRONG_TYPES])
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_a_key_of_the_wrong_type_is_one_line_naming_it_and_the_file(tmp_path, corpus_file, change, message, dry_run):
+    path = write_grid(tmp_path / "grid.toml", corpus_file)
+    text = path.read_text()
+    assert change[0] in text
+    path.write_text(text.replace(change[0], change[1], 1))
+    result = CliRunner().invoke(app, ["sweep", str(path), "--out", str(tmp_path / "out"),
+                                      *(["--dry-run"] if dry_run else [])])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and str(path) in result.stderr, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_grid_and_missing_corpus_exit_2(tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["sweep", str(tmp_path / "none.toml"), "--out", str(tmp_path / "out")])
@@ -337,3 +364,64 @@ def test_a_run_saved_before_a_config_field_existed_is_still_the_same_point():
     assert comparable(saved) == comparable(RunConfig().to_dict())
     saved["train"]["lr"] = 1.0
     assert comparable(saved) != comparable(RunConfig().to_dict())
+
+
+def test_damaged_results_lines_are_skipped_with_a_note_naming_file_and_line(tmp_path, corpus_file):
+    """Random bytes, a hand-edited list `name`, a string loss, a record that is no object: each line is skipped with
+    one note naming results.jsonl and its line; the report shows the good record; no traceback."""
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    out = tmp_path / "out"
+    planned = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(out), "--dry-run", "--json"])
+    assert planned.exit_code == 0, planned.output
+    dense, topk = json.loads(planned.stdout)["runs"]
+    finished = {"steps": 4, "flops": 2.4e8, "causal_mode": "dense", "causal_loss": 3.25, "latency": None}
+    out.mkdir()
+    (out / "grid.toml").write_text(grid.read_text())
+    lines = [json.dumps({**dense, **finished}).encode(),
+             bytes(b for b in range(256) if b != ord("\n")) * 2,  # not UTF-8
+             json.dumps({**topk, **finished, "name": [topk["name"]]}).encode(),
+             json.dumps({**topk, **finished, "causal_loss": "low"}).encode(),
+             b"[1, 2, 3]",
+             json.dumps({**topk, **finished, "parameters": 0}).encode(),
+             b'{"name": "' + topk["name"].encode() + b'", "budget": 2.']  # cut short
+    (out / "results.jsonl").write_bytes(b"\n".join(lines))
+    path = out / "results.jsonl"
+    for args in (["--report-only"], ["--report-only", "--json"]):
+        result = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(out), *args])
+        assert result.exit_code == 0, result.output
+        assert "Traceback" not in result.output
+        notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+        assert [note.split(" skipped: ")[0] for note in notes] == [f"note: {path} line {n}" for n in (2, 3, 4, 5, 6, 7)]
+        assert "causal_loss must be a finite number or null, got 'low'" in notes[2]
+        assert "parameters must be positive" in notes[4]
+    summary = json.loads(result.stdout)
+    assert [r.get("causal_loss") for r in summary["runs"]] == [3.25, None]
+    assert path.read_bytes() == b"\n".join(lines)  # --report-only writes nothing
+
+
+def test_a_results_file_of_random_bytes_is_nothing_to_report(tmp_path, corpus_file):
+    grid = write_grid(tmp_path / "grid.toml", corpus_file)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "grid.toml").write_text(grid.read_text())
+    (out / "results.jsonl").write_bytes(bytes(range(256)) * 64)
+    result = CliRunner().invoke(app, ["sweep", str(grid), "--out", str(out), "--report-only"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "holds no run yet" in result.stderr.splitlines()[-1]
+
+
+def test_plot_drops_a_last_metrics_line_cut_short_and_names_a_damaged_one(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = [json.dumps({"step": s, "loss": 5.0 - s, "flops": 1e9 * s, "val_loss": 4.5 - s}) for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("\n".join(steps) + '\n{"step": 4, "loss": 1.')
+    result = CliRunner().invoke(app, ["plot", str(run), "--out", str(tmp_path / "curves.png"), "--smooth", "1"])
+    assert result.exit_code == 0, result.output
+    assert f"{run / 'metrics.jsonl'}: its last line, line 4, was cut short" in " ".join(result.stderr.split())
+    assert "3 steps" in result.stdout and (tmp_path / "curves.png").read_bytes().startswith(PNG)
+
+    (run / "metrics.jsonl").write_text(steps[0] + '\n{"step": "two"}\n' + steps[2] + "\n")
+    result = CliRunner().invoke(app, ["plot", str(run), "--out", str(tmp_path / "again.png")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{run / 'metrics.jsonl'}: line 2 is damaged" in result.stderr and result.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "again.png").exists()

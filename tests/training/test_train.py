@@ -307,3 +307,117 @@ def test_learning_rate_schedule_warms_up_then_decays():
     assert learning_rate(10, 100, config) == pytest.approx(1.0)
     assert learning_rate(100, 100, config) == pytest.approx(0.1)
     assert learning_rate(55, 100, config) == pytest.approx(0.55)
+
+
+def _two_step_run(tmp_path: Path, corpus_file: Path) -> tuple[Path, list[str]]:
+    from typer.testing import CliRunner
+
+    from modcli.cli import app
+
+    run = tmp_path / "run"
+    args = ["train", "--data", str(corpus_file), "--out", str(run), "--d-model", "32", "--n-layers", "2",
+            "--n-heads", "2", "--seq-len", "32", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1",
+            "--device", "cpu"]
+    result = CliRunner().invoke(app, [*args, "--max-steps", "2"])
+    assert result.exit_code == 0, result.output
+    return run, args
+
+
+def test_resume_drops_a_last_metrics_line_cut_short_by_a_kill_with_a_note(tmp_path, corpus_file):
+    from typer.testing import CliRunner
+
+    from modcli.cli import app
+
+    run, args = _two_step_run(tmp_path, corpus_file)
+    path = run / "metrics.jsonl"
+    torn = len(path.read_text().splitlines()) + 1
+    with path.open("a") as log:
+        log.write('{"step": 3, "loss": 2.')  # what a kill in the middle of a write leaves
+    result = CliRunner().invoke(app, [*args, "--resume", "--max-steps", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert f"note: {path}: its last line, line {torn}, was cut short" in " ".join(result.stderr.split())
+    assert json.loads(result.stdout)["steps"] == 4
+    assert [r["step"] for r in _metrics(run) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_resume_refuses_a_damaged_metrics_line_before_the_last_naming_it(tmp_path, corpus_file):
+    from typer.testing import CliRunner
+
+    from modcli.cli import app
+
+    run, args = _two_step_run(tmp_path, corpus_file)
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    before = "\n".join([lines[0], '{"step": 1, "loss": 2.', *lines[1:]]) + "\n"
+    path.write_text(before)
+    checkpoints = sorted(p.name for p in run.iterdir())
+    result = CliRunner().invoke(app, [*args, "--resume", "--max-steps", "4"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"{path}: line 2 is damaged" in " ".join(result.stderr.split())
+    assert path.read_text() == before and sorted(p.name for p in run.iterdir()) == checkpoints  # nothing touched
+
+
+CONFIG_FILES = [
+    ('dense = "false"\n', "dense must be true or false, got 'false'"),
+    ('preset = "huge"\n', "preset must be one of tiny, small, base, got 'huge'"),
+    ("preset = 3\n", "preset must be a string, got 3"),
+    ('[model]\ncapacity = "0.5"\n', "capacity must be a finite number, got '0.5'"),
+    ("[train]\nmax_steps = 2.5\n", "max_steps must be an integer, got 2.5"),
+    ("[train]\ncompile = 1\n", "compile must be true or false, got 1"),
+    ("[optimiser]\nlr = 0.1\n", "unknown table [optimiser]"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), CONFIG_FILES, ids=[m for _, m in CONFIG_FILES])
+def test_a_config_file_key_of_the_wrong_type_is_one_line_naming_file_and_key(tmp_path, text, message):
+    from typer.testing import CliRunner
+
+    from modcli.cli import app
+
+    config = tmp_path / "run.toml"
+    config.write_text(text)
+    result = CliRunner().invoke(app, ["train", "--config", str(config), "--device", "cpu", "--out",
+                                      str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"--config {config}: {message}" in result.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_config_file_preset_applies_as_on_the_command_line_and_flags_win(tmp_path):
+    from modcli.config import PRESETS, resolve_run_config
+
+    def resolved(text: str, preset: str | None = None, **flags):
+        (tmp_path / "run.toml").write_text(text)
+        return resolve_run_config(preset, str(tmp_path / "run.toml"), flags, default_preset="tiny")
+
+    small = resolved('preset = "small"\n')
+    assert (small.model.d_model, small.model.n_layers, small.train.max_steps) == (
+        PRESETS["small"]["d_model"], PRESETS["small"]["n_layers"], PRESETS["small"]["max_steps"])
+    assert resolved('preset = "small"\nn_layers = 2\n', n_layers=3).model.n_layers == 3  # flags win
+    assert resolved('preset = "small"\nn_layers = 2\n').model.n_layers == 2  # the file over its preset
+    assert resolved('preset = "small"\n', preset="tiny").model.d_model == PRESETS["tiny"]["d_model"]  # --preset wins
+    assert resolved("d_model = 64\n").model.d_model == 64  # no preset in the file: the default one
+    assert resolved("dense = false\n").model.route_every == 2
+    assert resolved("dense = true\n").model.dense
+    assert resolved('route_layers = "1,3"\n').model.route_layers == [1, 3]  # the flag's spelling too
+
+
+def test_train_takes_the_preset_of_its_config_file(tmp_path, corpus_file):
+    from typer.testing import CliRunner
+
+    from modcli.cli import app
+    from modcli.config import PRESETS
+
+    config = tmp_path / "run.toml"
+    config.write_text('preset = "small"\n[model]\nd_model = 32\n')
+    result = CliRunner().invoke(app, [
+        "train", "--config", str(config), "--data", str(corpus_file), "--n-layers", "2", "--n-heads", "2",
+        "--seq-len", "32", "--batch-size", "2", "--max-steps", "1", "--eval-every", "1", "--eval-batches", "1",
+        "--device", "cpu", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(next((tmp_path / "run").glob("step-*/config.json")).read_text())
+    assert (saved["train"]["lr"], saved["train"]["warmup"]) == (PRESETS["small"]["lr"], PRESETS["small"]["warmup"])
+    assert (saved["model"]["d_model"], saved["model"]["n_layers"]) == (32, 2)
