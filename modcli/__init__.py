@@ -25,6 +25,7 @@ _EXPORTS = {
     "ImportConfig": "modcli.pretrained.importer", "import_model": "modcli.pretrained.importer",
     "RouteConfig": "modcli.reports.route_map", "route_map": "modcli.reports.route_map",
     "write_html": "modcli.reports.route_map", "write_png": "modcli.reports.route_map",
+    "PNG_WINDOW": "modcli.reports.route_map", "PNG_MAX_TOKENS": "modcli.reports.route_map",
     "TokenizerTrainConfig": "modcli.data.tokenizer_training", "train_tokenizer": "modcli.data.tokenizer_training",
     "curves_plot": "modcli.reports.plots", "run_sweep": "modcli.sweep.runner",
     "complete_checkpoints": "modcli.checkpoint.store", "read_config": "modcli.checkpoint.store",

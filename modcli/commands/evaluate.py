@@ -25,7 +25,7 @@ TASKS_ONLY = {"include_path": "--include-path", "num_fewshot": "--num-fewshot", 
 @subcommand
 def eval_command(
     ctx: typer.Context,
-    checkpoint: options.Checkpoint,
+    checkpoint: options.Checkpoint = None,
     data: options.Data = None,
     glob: options.Glob = None,
     routing: options.RoutingModes = None,

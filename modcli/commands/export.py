@@ -16,8 +16,8 @@ from modcli.reports.console import print_json
 @subcommand
 def export(
     ctx: typer.Context,
-    checkpoint: options.Checkpoint,
-    out: options.Out = None,
+    checkpoint: options.Checkpoint = None,
+    out: options.ExportOut = None,
     onnx: options.OnnxGraphs = None,
     hf: options.HF = None,
     compile: options.Compile = None,
@@ -29,14 +29,15 @@ def export(
     opset_only: options.OpsetOnly = None,
     atol: options.Atol = None,
     decode_steps: options.DecodeSteps = None,
-    text: options.Text = None,
+    text: options.ExportText = None,
     seed: options.Seed = None,
     force: options.Force = None,
     json_output: options.Json = False,
 ) -> None:
     """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs;
     with --hf, to a Hugging Face folder that transformers loads (checked against modcli where it is installed)."""
-    log = (lambda message: None) if json_output else (lambda message: stderr.print(message, highlight=False))
+    log = (lambda message: None) if json_output else (lambda message: stderr.print(message, highlight=False,
+                                                                                   soft_wrap=True))
     config = options.build(modcli.ExportConfig, options.given(ctx))
     if config.hf:
         _hf_export(config, log, json_output)

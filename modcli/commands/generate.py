@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @subcommand
 def generate(
     ctx: typer.Context,
-    checkpoint: options.Checkpoint,
+    checkpoint: options.Checkpoint = None,
     prompts: options.Prompts = None,
     max_new_tokens: options.MaxNewTokens = None,
     temperature: options.Temperature = None,

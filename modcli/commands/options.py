@@ -16,7 +16,8 @@ below (`_declared_fields` to `field_argument`); the ~65 hand-written help texts 
 docstrings, and the copies of one flag from each other. The field's default is shown after it unless a preset
 sets the field. Help stays here instead for a flag whose spelling differs from the field's (comma-separated
 lists, where the field holds a list) and for a flag that several commands share with a meaning of their own in each
-(--out, --dtype, --seed, ...): one text that says what it does in each.
+(--dtype, --seed, ...): one text that says what it does in each. --out, where each command writes something of its
+own, and CHECKPOINT (runs/latest by default, a fresh model in profile) are declared once per command that differs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 
+from modcli.commands.common import USAGE_ERROR
 from modcli.config import PRESETS
 
 _PACKAGE = Path(__file__).resolve().parent.parent
@@ -132,8 +134,29 @@ def build(config_class: type, values: dict[str, Any]) -> Any:
 
 # ------------------------------------------------------------------------------------ shared by several commands
 
+LATEST_RUN = "runs/latest"
+"""Where `modcli train` writes without --out, and what eval, generate, export and routes read without CHECKPOINT."""
+
+
+def _latest_run_if_none(value: str | None) -> str:
+    """CHECKPOINT not given: runs/latest where it exists (what `modcli train` just wrote), else one line saying
+    what to give."""
+    if value is not None:
+        return value
+    if not Path(LATEST_RUN).exists():
+        raise USAGE_ERROR(f"no CHECKPOINT given and no {LATEST_RUN} here (where `modcli train` writes without --out): "
+                          "name a run or checkpoint folder")
+    return LATEST_RUN
+
+
 Checkpoint = Annotated[Optional[str], typer.Argument(
-    help="Run folder (its newest checkpoint) or checkpoint folder.", show_default=False)]
+    help=f"Run folder (its newest checkpoint) or checkpoint folder; default {LATEST_RUN} where it exists.",
+    show_default=False, callback=_latest_run_if_none)]
+"""eval's, generate's, export's and routes' CHECKPOINT (`checkpoint: options.Checkpoint = None`)."""
+FreshOrCheckpoint = Annotated[Optional[str], typer.Argument(
+    help="Run folder (its newest checkpoint) or checkpoint folder; default: a freshly initialised model.",
+    show_default=False)]
+"""profile's CHECKPOINT: without one it measures a fresh model of --preset and the model flags."""
 BatchSize = Annotated[Optional[int], typer.Option(
     help="Sequences per batch: train's micro-batch (default: the preset's), eval's and profile's batch (default 8; eval "
          "--tasks: requests per forward pass).")]
@@ -147,7 +170,8 @@ PackedLinears = Annotated[Optional[bool], typer.Option("--packed-linears/--no-pa
     "SmolLM2-135M on AMD CPUs, where MKL is slow; on Intel MKL is as fast or faster. Default: on for AMD CPUs, off "
     "elsewhere; --no-packed-linears: PyTorch's default BLAS. Never in training."))]
 ConfigFile = Annotated[Optional[Path], typer.Option(
-    "--config", help="TOML file with the same keys as the flags; flags win.")]
+    "--config", help="TOML file with the same keys as the flags, each of its flag's type, and preset (--preset "
+                     "wins over it); flags win.")]
 Data = Annotated[Optional[str], typer.Option(help=(
     "Corpus: a text file, a folder of files (see --glob) or, for train and eval, a tokenised .bin; default: the "
     "built-in Python stdlib corpus (eval: the validation split the run was trained on)."))]
@@ -164,10 +188,21 @@ OnnxGraphs = Annotated[Optional[bool], typer.Option("--onnx/--no-onnx", help=_ON
 """export's --onnx: a switch."""
 OnnxBundles = Annotated[Optional[list[str]], typer.Option(help=_ONNX_HELP)]
 """profile's --onnx: bundles, repeated."""
-Out = Annotated[Optional[str], typer.Option(help=(
-    "Where to write: train's run folder (default runs/latest), import's (required), export's bundle folder "
-    "(bundles/latest), sweep's folder (runs/sweeps/GRID-NAME), plot's PNG (curves.png), routes' routes.html or "
-    "routes.png (routes.html), tokenizer train's tokenizer.json (tokenizer.json)."))]
+# --out: each command writes something of its own, so each has its own help (and default) for it.
+TrainOut = Annotated[Optional[str], typer.Option("--out", help=(
+    f"Run folder: checkpoints, metrics.jsonl, the config (default {LATEST_RUN}, what eval, generate, export and "
+    "routes read without CHECKPOINT)."))]
+ImportOut = Annotated[Optional[str], typer.Option("--out", help="Run folder to write the imported model into (required).")]
+ExportOut = Annotated[Optional[str], typer.Option("--out", help=(
+    "Folder to write: the ONNX bundle or, with --hf, the Hugging Face folder (default bundles/latest)."))]
+SweepOut = Annotated[Optional[str], typer.Option("--out", help=(
+    "Sweep folder: grid.toml, results.jsonl, runs/ (default runs/sweeps/GRID-NAME)."))]
+PlotOut = Annotated[Optional[str], typer.Option("--out", help="PNG file to draw the curves in (default curves.png).")]
+RoutesOut = Annotated[Optional[str], typer.Option("--out", help=(
+    "routes.html (default; the whole text, every block) or routes.png (a readable window of --max-tokens tokens "
+    "from --start)."))]
+TokenizerOut = Annotated[Optional[str], typer.Option("--out", help=(
+    "tokenizer.json to write (default tokenizer.json)."))]
 Preset = Annotated[Optional[str], typer.Option(
     help="tiny, small or base: the values --config and the flags start from (default: train tiny, profile small).")]
 _ROUTING_HELP = ("A routing mode of the model's router (topk router: topk, router or predictor). eval: each mode "
@@ -183,9 +218,9 @@ Seed = Annotated[Optional[int], typer.Option(help=(
 SeqLen = Annotated[Optional[int], typer.Option(help=(
     "Sequence length in tokens: train's context (default: the preset's), import's (default "
     "min(max_position_embeddings, 1024)); the length profile measures (default: the model's)."))]
-Text = Annotated[Optional[str], typer.Option(help=(
-    "UTF-8 text file: the one routes maps (required), or the one export's real-text checks read (default: the "
-    "stdlib's textwrap.py)."))]
+RoutesText = Annotated[Optional[str], typer.Option("--text", help="UTF-8 text file to route (required).")]
+ExportText = Annotated[Optional[str], typer.Option("--text", help=(
+    "UTF-8 text file the real-text checks read (default: the stdlib's textwrap.py)."))]
 VocabSize = Annotated[Optional[int], typer.Option(help=(
     "Vocabulary size: the model's (256 for byte tokens; match a --tokenizer's), or the tokens tokenizer train "
     "learns, the 256 bytes included (default 4096)."))]
@@ -307,6 +342,7 @@ Plot = Annotated[Optional[str], field_option(PROFILE, "plot")]
 
 Source = Annotated[str, field_argument(IMPORT, "source")]
 MaxTokens = Annotated[Optional[int], field_option(ROUTES, "max_tokens")]
+Start = Annotated[Optional[int], field_option(ROUTES, "start")]
 Grid = Annotated[Path, field_argument(SWEEP, "grid", help=(
     "Grid TOML: budgets, [[size]] and [[variant]] tables, [common] flags."))]
 ProfileRuns = Annotated[Optional[bool], field_option(SWEEP, "profile", "--profile")]

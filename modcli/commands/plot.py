@@ -14,7 +14,7 @@ DEFAULT_OUT = "curves.png"
 @subcommand
 def plot(
     runs: options.Runs,
-    out: options.Out = None,
+    out: options.PlotOut = None,
     smooth: options.Smooth = 10,
     json_output: options.Json = False,
 ) -> None:

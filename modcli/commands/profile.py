@@ -22,7 +22,7 @@ MODEL_FIELDS = frozenset(field.name for field in dataclasses.fields(ModelConfig)
 @subcommand
 def profile(
     ctx: typer.Context,
-    checkpoint: options.Checkpoint = None,
+    checkpoint: options.FreshOrCheckpoint = None,
     compare: options.Compare = None,
     preset: options.Preset = None,
     config: options.ConfigFile = None,
@@ -83,7 +83,8 @@ def profile(
     model_flags = {name: value for name, value in values.items() if name in MODEL_FIELDS}
     model = None
     if checkpoint is None or model_flags or preset or config:
-        model = modcli.resolve_run_config(preset or "small", str(config) if config else None, model_flags).model
+        model = modcli.resolve_run_config(preset, str(config) if config else None, model_flags,
+                                          default_preset="small").model
     if seq_len is not None and seq_lens is not None:
         raise UserError("give --seq-len or --seq-lens, not both")
     lengths = [seq_len] if seq_len is not None else (_int_list(seq_lens, "--seq-lens") if seq_lens else None)

@@ -21,26 +21,37 @@ DEFAULT_OUT = "routes.html"
 @subcommand
 def routes(
     ctx: typer.Context,
-    checkpoint: options.Checkpoint,
-    text: options.Text,
-    out: options.Out = None,
+    checkpoint: options.Checkpoint = None,
+    text: options.RoutesText = None,
+    out: options.RoutesOut = None,
     max_tokens: options.MaxTokens = None,
+    start: options.Start = None,
     device: options.Device = None,
     json_output: options.Json = False,
 ) -> None:
     """Per routed block of an MoD model: the tokens each routing mode processed, the causal rule's probability, and
-    where the causal rules disagree with top-k; --out routes.html colours the text per block, routes.png is a heat
-    map."""
+    where the causal rules disagree with top-k. --out routes.html: the whole text per block, every mode; routes.png:
+    512 tokens (--start, --max-tokens) as wrapped rows of text with one strip per block under each row."""
     out = DEFAULT_OUT if out is None else out
     suffix = Path(out).suffix.lower()
     if suffix not in (".html", ".png"):
         raise UserError(f"--out must end in .html or .png, got {out!r}")
-    result = modcli.route_map(options.build(modcli.RouteConfig, options.given(ctx)))
+    if text is None:
+        raise UserError("--text is required: the UTF-8 text file to route (e.g. --text README.md)")
+    values = options.given(ctx)
+    if suffix == ".png":
+        values.setdefault("max_tokens", modcli.PNG_WINDOW)  # a window a person can read; the HTML holds any length
+        if values["max_tokens"] > modcli.PNG_MAX_TOKENS:
+            raise UserError(f"--max-tokens: a PNG draws at most {modcli.PNG_MAX_TOKENS} tokens, got "
+                            f"{values['max_tokens']}; --out routes.html shows the whole text")
+    result = modcli.route_map(options.build(modcli.RouteConfig, values))
     (modcli.write_html if suffix == ".html" else modcli.write_png)(result, out)
     if json_output:
         print_json({"out": out, **dataclasses.asdict(result)})
         return
-    table = Table(title=f"{result.checkpoint}: {len(result.tokens)} tokens, {result.router} router")
+    span = "" if result.text_tokens in (None, len(result.tokens)) else f" of {result.text_tokens}"
+    table = Table(title=f"{result.checkpoint}: tokens {result.start}-{result.start + len(result.tokens) - 1}{span}, "
+                        f"{result.router} router")
     table.add_column("block", justify="right")
     for mode in result.modes:
         table.add_column(f"{mode} processed" + ("" if result.causal[mode] else " (non-causal)"), justify="right")

@@ -21,7 +21,7 @@ from modcli.sweep import grid as sweep_grid
 def sweep(
     ctx: typer.Context,
     grid: options.Grid,
-    out: options.Out = None,
+    out: options.SweepOut = None,
     profile: options.ProfileRuns = None,
     device: options.Device = None,
     dtype: options.Dtype = None,

@@ -23,7 +23,7 @@ def train_tokenizer(
     data: options.Data = None,
     glob: options.Glob = None,
     max_bytes: options.MaxBytes = None,
-    out: options.Out = None,
+    out: options.TokenizerOut = None,
     json_output: options.Json = False,
 ) -> None:
     """Train a byte-level BPE tokenizer on the corpus' training split; use it with `modcli train --tokenizer`."""

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
+import textwrap
 from pathlib import Path
 
 import typer
 
 import modcli
 from modcli.commands import options
-from modcli.commands.common import is_main_process, stdout, subcommand
+from modcli.commands.common import is_main_process, stderr, stdout, subcommand
 from modcli.config import SHAPE_FIELDS, TrainConfig
 from modcli.errors import UserError
 from modcli.reports.console import human, key_value_table, print_json
@@ -80,7 +82,7 @@ def train(
     device: options.Device = None,
     dtype: options.Dtype = None,
     compile: options.Compile = None,
-    out: options.Out = None,
+    out: options.TrainOut = None,
     resume: options.Resume = None,
     init_from: options.InitFrom = None,
     trainable: options.Trainable = None,
@@ -108,7 +110,7 @@ def train(
         saved = modcli.read_config(modcli.resolve_checkpoint(init_from))
         shape = {name: getattr(saved.model, name) for name in SHAPE_FIELDS}
         flags = {**shape, "seq_len": saved.model.seq_len, "tokenizer": saved.data.tokenizer, **flags}
-    run_config = modcli.resolve_run_config(base, str(config) if config else None, flags)
+    run_config = modcli.resolve_run_config(preset, str(config) if config else None, flags, default_preset=base)
     if init_from and not resume and run_config.model.routed_layers():
         # A conversion starts as the model it came from: a processed token gets the block's whole update (router
         # weight of value 1, the sigmoid's gradient), so with every token processed the logits are the original's;
@@ -116,7 +118,8 @@ def train(
         defaults = {name: value for name, value in (("router_weight", "unit"), ("calibrate", True))
                     if name not in flags}
         if defaults:
-            run_config = modcli.resolve_run_config(base, str(config) if config else None, {**flags, **defaults})
+            run_config = modcli.resolve_run_config(preset, str(config) if config else None, {**flags, **defaults},
+                                                   default_preset=base)
     result = modcli.train(run_config, quiet=False)
     if not is_main_process():
         return
@@ -151,3 +154,20 @@ def train(
         ("tokens/s", f"{result.tokens_per_s:,.0f}"),
         ("checkpoint", result.checkpoint),
     ]))
+    stderr.print(next_commands(run_config.train.out, run_config.model.seq_len, routed=not result.dense),
+                 highlight=False, soft_wrap=True, markup=False)
+
+
+def next_commands(run: str, seq_len: int, routed: bool) -> str:
+    """What to run on the run just trained (stderr, after the summary), with its path as given to --out. Without a
+    CHECKPOINT, eval, generate, export and routes read runs/latest, where train writes without --out."""
+    run = shlex.quote(run)
+    new_tokens = max(16, min(200, seq_len - 28))  # prompt + new tokens within the context the model was trained on
+    lines = [f"modcli eval {run}", f'modcli generate {run} --prompt "def " --max-new-tokens {new_tokens} --temperature 0.6',
+             f"modcli plot {run} --out curves.png"]
+    if routed:
+        # any text at hand: a README where there is one, else a file of the standard library
+        text = "README.md" if Path("README.md").is_file() else shlex.quote(textwrap.__file__)
+        lines.append(f"modcli routes {run} --text {text} --out routes.png")
+    lines.append(f"modcli export {run}")
+    return "next:\n" + "\n".join(f"  {line}" for line in lines)

@@ -12,12 +12,14 @@ and the router's full-sequence mode (top-k) chose differently is marked per toke
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
+import textwrap
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from modcli.checkpoint.store import load_model_from
@@ -36,12 +38,17 @@ class RouteConfig:
     text: str
     """A UTF-8 text file."""
     max_tokens: int | None = None
-    """Route only the first N tokens; None = all of them."""
+    """Route only N tokens from --start; None = all of them (`modcli routes --out routes.png`: 512, a window a
+    person can read)."""
+    start: int = 0
+    """The first token to route (0 = the text's first). Windows of seq_len still start at the text's start, so a
+    token's decisions do not depend on --start."""
     device: str = "auto"
     """auto, cpu, cuda or mps."""
 
     def __post_init__(self) -> None:
         require(self.max_tokens is None or self.max_tokens >= 1, f"--max-tokens must be >= 1, got {self.max_tokens}")
+        require(self.start >= 0, f"--start must be >= 0, got {self.start}")
 
 
 @dataclass
@@ -76,6 +83,10 @@ class RouteMap:
     reference_mode: str | None
     """The full-sequence (non-causal) mode causal rules are compared with, e.g. topk."""
     blocks: list[BlockRoutes]
+    start: int = 0
+    """Index in the whole text's tokens of the first token here (--start)."""
+    text_tokens: int | None = None
+    """Tokens in the whole text (None: these are all of them)."""
 
 
 def token_pieces(tokenizer, text: str, ids: list[int]) -> list[str]:
@@ -128,14 +139,36 @@ def route_map(config: RouteConfig) -> RouteMap:
     model, run_config, checkpoint = load_model_from(config.checkpoint, device)
     if model.config.dense:
         raise UserError(f"{checkpoint} is a dense model: no block is routed")
-    tokenizer = load_tokenizer(run_config.data.tokenizer, checkpoint.parent)
+    tokenizer = load_tokenizer(run_config.data.tokenizer, checkpoint.parent, model.config.vocab_size)
     ids = tokenizer.encode(text)
     pieces = token_pieces(tokenizer, text, ids)
-    if config.max_tokens is not None and len(ids) > config.max_tokens:
-        ids, pieces = ids[:config.max_tokens], pieces[:config.max_tokens]
     if not ids:
         raise UserError(f"--text: {path} holds no tokens")
-    return route_tokens(model, ids, pieces, str(checkpoint), tokenizer.name)
+    total, start = len(ids), config.start
+    if start >= total:
+        raise UserError(f"--start {start} is past the end of {path} ({total} tokens)")
+    end = total if config.max_tokens is None else min(total, start + config.max_tokens)
+    # Route the text's own windows that hold [start, end), then keep [start, end): the same decisions as routing
+    # the whole text, at the cost of at most two windows more.
+    seq_len = model.config.seq_len
+    first, last = start // seq_len * seq_len, min(total, -(-end // seq_len) * seq_len)
+    routed = route_tokens(model, ids[first:last], pieces[first:last], str(checkpoint), tokenizer.name)
+    return _window(routed, start - first, end - first, offset=first, text_tokens=total)
+
+
+def _window(result: RouteMap, lo: int, hi: int, offset: int, text_tokens: int) -> RouteMap:
+    """Tokens [lo, hi) of `result` (whose first token is token `offset` of a text of `text_tokens`), the fractions
+    counted over them."""
+    blocks = []
+    for block in result.blocks:
+        processed = {m: v[lo:hi] for m, v in block.processed.items()}
+        disagreement = {m: v[lo:hi] for m, v in block.disagreement.items()}
+        blocks.append(BlockRoutes(
+            layer=block.layer, processed=processed, probability={m: v[lo:hi] for m, v in block.probability.items()},
+            disagreement=disagreement, processed_fraction={m: sum(v) / len(v) for m, v in processed.items()},
+            disagreement_fraction={m: sum(v) / len(v) for m, v in disagreement.items()}))
+    return dataclasses.replace(result, tokens=result.tokens[lo:hi], pieces=result.pieces[lo:hi], blocks=blocks,
+                               start=offset + lo, text_tokens=text_tokens)
 
 
 @torch.no_grad()
@@ -264,8 +297,16 @@ def render_html(result: RouteMap) -> str:
             f'{_mode_css(result.modes, result.causal_modes, result.reference_mode)}</style></head>\n'
             f'<body data-view="{default}" data-routes=\'{html.escape(data)}\'>\n'
             f'<h1 style="font-size:1.2em">{html.escape(result.checkpoint)}: {result.router} router, '
-            f'{len(result.tokens)} tokens ({html.escape(result.tokenizer)}), windows of {result.seq_len}</h1>\n'
+            f'{len(result.tokens)} tokens{_span(result)} ({html.escape(result.tokenizer)}), windows of {result.seq_len}'
+            '</h1>\n'
             f'<p>{switches}</p><p class="stats">{html.escape(legend)}</p>\n' + "\n".join(sections) + "\n</body></html>\n")
+
+
+def _span(result: RouteMap) -> str:
+    """" (tokens a-b of N)" when the map holds part of the text, else ""."""
+    if result.text_tokens in (None, len(result.tokens)):
+        return ""
+    return f" (tokens {result.start}-{result.start + len(result.tokens) - 1} of {result.text_tokens})"
 
 
 def write_html(result: RouteMap, path: str | Path) -> str:
@@ -276,50 +317,158 @@ def write_html(result: RouteMap, path: str | Path) -> str:
 # --- PNG ------------------------------------------------------------------------------------------------------------
 
 
-def write_png(result: RouteMap, path: str | Path) -> str:
-    """A heat map of routed blocks x tokens: the first causal mode's probability (colour), the reference mode's
-    choice (black dots) and the disagreements (red squares)."""
+PNG_WINDOW = 512
+"""Tokens `modcli routes --out routes.png` draws without --max-tokens: a few readable rows per block."""
+PNG_MAX_TOKENS = 4096
+"""The most tokens a PNG draws (about 50 rows of text); the HTML page has no limit."""
+PNG_COLUMNS = 100
+"""Character cells per row of text before it wraps."""
+
+# Layout in pixels at 100 dpi (the file is written at 150 dpi): a character cell, a row of text, one strip per
+# routed block under it, the gap between rows, the margin that holds the labels.
+CELL_W, TEXT_H, STRIP_H, ROW_GAP, LEFT, RIGHT, LINE_H = 9, 17, 9, 8, 58, 14, 15
+
+
+def _glyphs(piece: str) -> list[tuple[str, bool]]:
+    """The characters that draw one token, each with whether the row ends after it. A newline draws as ↵ and ends
+    the row, a tab as →, another control character as ·; an empty piece (a continuation byte of a multi-byte
+    character, whose text is on its first byte) as a faint · so that every token has a cell."""
+    if piece == "":
+        return [("·", False)]
+    glyphs = []
+    for char in piece:
+        if char == "\n":
+            glyphs.append(("↵", True))
+        elif char == "\t":
+            glyphs.append(("→", False))
+        elif char == "\r" or (ord(char) < 32 or 0x7F <= ord(char) < 0xA0):
+            glyphs.append(("·", False))
+        else:
+            glyphs.append((char, False))
+    return glyphs
+
+
+def layout_rows(pieces: list[str], columns: int = PNG_COLUMNS) -> list[list[tuple[int, int, str]]]:
+    """The tokens' text in rows of at most `columns` cells, as a console shows it: each row a list of (token index,
+    column, character). A newline ends its row; a row that is full wraps; every token has at least one cell, in
+    order; a token longer than the room left continues on the next row."""
+    if columns < 1:
+        raise ValueError(f"columns must be >= 1, got {columns}")
+    rows: list[list[tuple[int, int, str]]] = [[]]
+    for index, piece in enumerate(pieces):
+        for char, ends_row in _glyphs(piece):
+            if len(rows[-1]) == columns:
+                rows.append([])
+            rows[-1].append((index, len(rows[-1]), char))
+            if ends_row:
+                rows.append([])
+    if not rows[-1] and len(rows) > 1:
+        rows.pop()
+    return rows
+
+
+def _runs(row: list[tuple[int, int, str]]) -> list[tuple[int, int, int]]:
+    """(token index, first column, cells) of each token's cells in one row."""
+    runs: list[tuple[int, int, int]] = []
+    for index, column, _ in row:
+        if runs and runs[-1][0] == index:
+            runs[-1] = (index, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((index, column, 1))
+    return runs
+
+
+def png_header(result: RouteMap, mode: str) -> list[str]:
+    """The lines above the text: what was routed, how to read the strips, each block's shares, and how to see the
+    rest of the text."""
+    n, total = len(result.tokens), result.text_tokens or len(result.tokens)
+    lines = [f"{result.checkpoint}: {result.router} router, tokens {result.start}-{result.start + n - 1} of {total} "
+             f"({result.tokenizer}; routed in windows of {result.seq_len})"]
+    what = (f"the probability that {mode} processes the token (darker = surer yes)" if mode in result.causal_modes
+            else f"{mode} processed the token")
+    legend = f"Under each row of text, one strip per routed block. Blue: {what}."
+    if result.reference_mode is not None and mode != result.reference_mode:
+        legend += (f" Black bar: {result.reference_mode} (non-causal) chose the token. Red box: {mode} and "
+                   f"{result.reference_mode} chose differently.")
+    lines.append(legend)
+    stats = []
+    for block in result.blocks:
+        text = f"block {block.layer}: {mode} processed {block.processed_fraction[mode]:.1%}"
+        if result.reference_mode is not None and mode in block.disagreement:
+            text += (f", {result.reference_mode} {block.processed_fraction[result.reference_mode]:.1%}, they differ on "
+                     f"{block.disagreement_fraction[mode]:.1%}")
+        stats.append(text)
+    lines.append("; ".join(stats) + ".")
+    if n < total:
+        lines.append("Another window: --start N --max-tokens N (at most "
+                     f"{PNG_MAX_TOKENS}); the whole text in every mode: --out routes.html.")
+    return lines
+
+
+def write_png(result: RouteMap, path: str | Path, columns: int = PNG_COLUMNS) -> str:
+    """The text as a console shows it, wrapped at `columns` cells, and under each row one strip per routed block:
+    the first causal mode's probability of processing each token (blue), the reference mode's choice (a black
+    bar) and where the two disagree (a red box). Draws at most PNG_MAX_TOKENS tokens (`route_map`'s --start and
+    --max-tokens choose them); the HTML page holds any length."""
+    if len(result.tokens) > PNG_MAX_TOKENS:
+        raise UserError(f"a PNG draws at most {PNG_MAX_TOKENS} tokens, got {len(result.tokens)}: give --max-tokens "
+                        "(and --start), or --out routes.html for the whole text")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
 
     mode = result.causal_modes[0] if result.causal_modes else result.modes[0]
-    n, rows = len(result.tokens), len(result.blocks)
-    if mode in result.causal_modes:
-        grid = np.array([block.probability[mode] for block in result.blocks])  # (blocks, tokens)
-        label = f"{mode}: probability of processing"
-    else:
-        grid = np.array([block.processed[mode] for block in result.blocks], dtype=float)
-        label = f"{mode}: processed"
-    width = min(24.0, 3.0 + 0.11 * n)
-    fig, ax = plt.subplots(figsize=(width, 1.4 + 0.55 * rows))
-    image = ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
-    if result.reference_mode is not None:
-        for row, block in enumerate(result.blocks):
-            xs = [i for i, chosen in enumerate(block.processed[result.reference_mode]) if chosen]
-            ax.scatter(xs, [row] * len(xs), s=6, color="black", zorder=3)
-            if mode in block.disagreement:
-                xs = [i for i, differs in enumerate(block.disagreement[mode]) if differs]
-                ax.scatter(xs, [row] * len(xs), s=40, marker="s", facecolor="none", edgecolor="red", linewidth=0.8,
-                           zorder=4)
-    ax.set_yticks(range(rows), [f"block {b.layer}" for b in result.blocks])
-    if n <= 160:
-        ax.set_xticks(range(n), [_tick(p) for p in result.pieces], fontsize=7, family="monospace")
-    else:
-        ax.set_xlabel("token position")
-    title = f"{result.router} router, colour = {label}"
-    if result.reference_mode is not None:
-        title += f"; dots = {result.reference_mode} chose; red squares = {mode} disagrees with {result.reference_mode}"
-    ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=ax, fraction=0.02, pad=0.01)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    reference = result.reference_mode if result.reference_mode != mode else None
+    rows = layout_rows(result.pieces, columns)
+    width = LEFT + columns * CELL_W + RIGHT
+    header = [part for line in png_header(result, mode)  # ~7 px a character at 8.5 points, bold a little wider
+              for part in textwrap.wrap(line, width=int((width - 16) / 7.2)) or [""]]
+    top = 10 + LINE_H * len(header) + 8
+    row_h = TEXT_H + STRIP_H * len(result.blocks) + ROW_GAP
+    height = top + row_h * len(rows) + 6
+
+    fig = plt.figure(figsize=(width / 100, height / 100), dpi=100)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, width)
+    ax.set_ylim(height, 0)
+    ax.axis("off")
+    for i, line in enumerate(header):
+        ax.text(8, 10 + LINE_H * i, line, fontsize=8.5, va="top", ha="left", parse_math=False,
+                weight="bold" if i == 0 else "normal")
+    cmap = plt.get_cmap("Blues")
+    cells, colours, chosen, differs = [], [], [], []
+    for r, row in enumerate(rows):
+        y = top + r * row_h
+        if row:
+            ax.text(LEFT - 6, y + TEXT_H / 2, str(result.start + row[0][0]), fontsize=6.5, color="#999", ha="right",
+                    va="center", parse_math=False)
+        for index, column, char in row:
+            if char != " ":
+                faint = char in "↵→·" and char != result.pieces[index]
+                ax.text(LEFT + (column + 0.5) * CELL_W, y + TEXT_H / 2 + 1, char, fontsize=10, ha="center",
+                        va="center", family="DejaVu Sans Mono", color="#aaa" if faint else "#111", parse_math=False)
+        for b, block in enumerate(result.blocks):
+            strip_y = y + TEXT_H + b * STRIP_H
+            if r == 0 or len(result.blocks) > 1:
+                ax.text(LEFT - 6, strip_y + STRIP_H / 2, f"b{block.layer}", fontsize=6, color="#666", ha="right",
+                        va="center")
+            values = block.probability.get(mode) or [float(v) for v in block.processed[mode]]
+            for index, column, span in _runs(row):
+                x = LEFT + column * CELL_W + 0.5
+                cells.append(Rectangle((x, strip_y + 0.5), span * CELL_W - 1, STRIP_H - 1.5))
+                colours.append(cmap(0.06 + 0.84 * values[index]))
+                if reference is not None and block.processed[reference][index]:
+                    chosen.append(Rectangle((x, strip_y + STRIP_H - 3.5), span * CELL_W - 1, 2.5))
+                if reference is not None and block.disagreement.get(mode) and block.disagreement[mode][index]:
+                    differs.append(Rectangle((x - 0.5, strip_y), span * CELL_W, STRIP_H - 0.5))
+    ax.add_collection(PatchCollection(cells, facecolors=colours, edgecolors="none"))
+    ax.add_collection(PatchCollection(chosen, facecolors="black", edgecolors="none"))
+    ax.add_collection(PatchCollection(differs, facecolors="none", edgecolors="#d00", linewidths=1.0))
+    with warnings.catch_warnings():  # a character the monospace font lacks draws as a box; no warning per glyph
+        warnings.simplefilter("ignore", UserWarning)
+        fig.savefig(path, dpi=150)
     plt.close(fig)
     return str(path)
-
-
-def _tick(piece: str) -> str:
-    if piece == "":
-        return "·"
-    return piece.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "␣").replace("$", r"\$")

@@ -50,14 +50,41 @@ def disagreements(root) -> dict[str, dict[str, tuple]]:
     return {flag: uses for flag, uses in declarations(root).items() if len(set(uses.values())) > 1}
 
 
+OWN_IN_EACH_COMMAND = {"--out", "--text", "checkpoint"}
+"""What each command writes (--out) or reads (routes' and export's --text) is its own, so is its help; CHECKPOINT is
+runs/latest by default except in profile, where none means a fresh model."""
+
+
 def test_a_flag_has_one_default_and_one_help_in_every_command():
     root = typer.main.get_command(app)
-    assert disagreements(root) == {}
+    assert set(disagreements(root)) == OWN_IN_EACH_COMMAND
     shared = {flag: len(uses) for flag, uses in declarations(root).items() if len(uses) > 1}
     # the common flags are shared where they apply, so the check above compares something
     assert shared["--json"] == 10 and shared["--device"] >= 6 and shared["--dtype"] >= 7
     assert shared["--seed"] >= 4 and shared["--out"] >= 7 and shared["--compile"] >= 4 and shared["--config"] == 2
     assert shared["--capacity"] == 2 and shared["checkpoint"] >= 5
+    checkpoints = {help for command, (_, help) in declarations(root)["checkpoint"].items() if command != "modcli profile"}
+    assert len(checkpoints) == 1  # eval, generate, export, routes: one text
+
+
+OUT_DEFAULTS = {"modcli train": "runs/latest", "modcli import": "required", "modcli export": "bundles/latest",
+                "modcli sweep": "runs/sweeps/GRID-NAME", "modcli plot": "curves.png", "modcli routes": "routes.html",
+                "modcli tokenizer train": "tokenizer.json"}
+
+
+def test_each_commands_out_help_names_its_own_default_only():
+    """`modcli export --help` describes export's --out, not train's, sweep's and plot's too (issue 50, item 14)."""
+    uses = declarations(typer.main.get_command(app))["--out"]
+    assert set(uses) == set(OUT_DEFAULTS)
+    for command, (_, help) in uses.items():
+        own = OUT_DEFAULTS[command]
+        assert own in help, (command, help)
+        others = [default for other, default in OUT_DEFAULTS.items() if other != command and default not in own]
+        assert not [default for default in others if default in help], (command, help)
+        assert not any(name in help for name in ("train's", "import's", "export's", "sweep's", "plot's", "routes'")), help
+    shown = CliRunner().invoke(app, ["export", "--help"], env={"COLUMNS": "400"}).output
+    out_line = next(line for line in shown.splitlines() if "--out" in line)
+    assert "bundles/latest" in out_line and "curves.png" not in shown and "runs/sweeps" not in shown
 
 
 def test_the_check_sees_a_flag_that_drifted():
