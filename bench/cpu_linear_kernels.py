@@ -2,7 +2,8 @@
 (`modcli.packed_linear`, what generate, eval and profile use for float32 CPU inference), A/B in one run.
 
 1. Products: the weight matrices of the small preset and of SmolLM2-135M at 1, 2, 32 and 256 rows: median time of
-   each kernel, GFLOP/s, the speed-up, and whether `modcli.packed_linear.pays` packs that product.
+   each kernel (the two interleaved by the same harness), GFLOP/s, the speed-up, and whether
+   `modcli.packed_linear.pays` packs that product.
 2. Models: the eager forward (B x T), the causal prefill and the decode step (mean of --decode-tokens steps) of the
    small preset's MoD model and its dense twin (fresh weights), and with --run of any modcli run or checkpoint (e.g.
    SmolLM2-135M after `modcli import`), each with both kernels, interleaved call by call over --rounds by
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from modcli_runtime.timing import interleaved
+from modcli_runtime.timing import interleaved, timed
 
 from modcli.checkpoint.store import load_model_from
 from modcli.config import resolve_run_config
@@ -37,15 +38,10 @@ MATRICES = {  # name: (in, out)
 ROWS = (1, 2, 32, 256)
 
 
-def median_s(function, arguments: tuple, repeats: int) -> float:
-    for _ in range(3):
-        function(*arguments)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function(*arguments)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def medians_s(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each call, interleaved by the one harness after 3 warm-up calls."""
+    samples = interleaved({name: timed("call", call) for name, call in calls.items()}, 3, repeats)
+    return {name: statistics.median(samples[name]["call"]) for name in calls}
 
 
 def products() -> None:
@@ -57,8 +53,11 @@ def products() -> None:
         for rows in ROWS:
             x = torch.randn(1, rows, fan_in)
             repeats = 30 if fan_out * rows > 1 << 22 else 200
-            aten = median_s(F.linear, (x, weight), repeats)
-            onednn = median_s(torch.ops.mkldnn._linear_pointwise, (x, packed, None, "none", [], ""), repeats)
+            medians = medians_s({
+                "aten": lambda x=x, weight=weight: F.linear(x, weight),
+                "onednn": lambda x=x, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            }, repeats)
+            aten, onednn = medians["aten"], medians["onednn"]
             gflop = 2 * rows * fan_in * fan_out / 1e9
             print(f"| {name} ({fan_in} x {fan_out}) | {rows} | {aten * 1e3:.3f} | {gflop / aten:.0f} | "
                   f"{onednn * 1e3:.3f} | {gflop / onednn:.0f} | {aten / onednn:.2f} | "

@@ -315,3 +315,116 @@ def test_no_family_or_router_kind_is_compared_outside_its_own_modules():
             if values & names and any(word in subject for word in ("arch", "router", "kind", "family")):
                 offenders.append(f"{relative}:{node.lineno} compares {sorted(values & names)}")
     assert not offenders, "\n".join(offenders)
+
+
+# --------------------------------------------------------------------------- links in the documentation resolve
+
+# A Markdown link or image: [text](target) or [text](target "title"); text may hold one level of brackets.
+MARKDOWN_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every line outside fenced code blocks."""
+    lines, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            lines.append((number, line))
+    return lines
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
+    heading = re.sub(r"<[^>]+>", "", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", heading).replace(" ", "-")
+
+
+def markdown_anchors(text: str) -> set[str]:
+    """Every #anchor a Markdown file defines: its headings (a repeated heading gets -1, -2, ...) and <a id=...>."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for _, line in prose_lines(text):
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            anchor = heading_anchor(heading.group(1))
+            anchors.add(f"{anchor}-{seen[anchor]}" if anchor in seen else anchor)
+            seen[anchor] = seen.get(anchor, 0) + 1
+        anchors.update(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", line))
+    return anchors
+
+
+def broken_links(files: list[Path], root: Path = ROOT) -> list[str]:
+    """'file:line: target (why)' for each relative link, in prose, to a missing file or a missing #anchor of a
+    Markdown file. Links in code (fenced or `inline`) and to other schemes (https:, mailto:) are not read."""
+    broken = []
+    for path in files:
+        for number, line in prose_lines(path.read_text()):
+            for target in MARKDOWN_LINK.findall(re.sub(r"`[^`]*`", "", line)):
+                if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", target):
+                    continue
+                file, _, anchor = target.partition("#")
+                destination = (path.parent / file).resolve() if file else path
+                where = f"{path.relative_to(root)}:{number}: {target}"
+                if not destination.exists():
+                    broken.append(f"{where} (no such file)")
+                elif anchor and destination.suffix == ".md" and anchor not in markdown_anchors(destination.read_text()):
+                    broken.append(f"{where} (no such heading in {destination.relative_to(root)})")
+    return broken
+
+
+def documentation_files(root: Path = ROOT) -> list[Path]:
+    """README.md, every page under docs/, bench/README.md and export/README.md."""
+    files = [root / "README.md", *sorted((root / "docs").rglob("*.md")), root / "bench" / "README.md",
+             root / "export" / "README.md"]
+    return [path for path in files if path.exists()]
+
+
+def test_link_checker_finds_missing_files_and_anchors_and_reads_no_code(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text(
+        "# Page\n## Speed per backend: eager, `compiled` (CPU, issue 13's targets)\n## Notes\n## Notes\n"
+        "<a id=\"kept-anchor\"></a>\n```bash\n# not a heading\n[no](missing.md)\n```\n")
+    (tmp_path / "README.md").write_text(
+        "[ok](docs/page.md#speed-per-backend-eager-compiled-cpu-issue-13s-targets) [dup](docs/page.md#notes-1)\n"
+        "[kept](docs/page.md#kept-anchor) [self](#readme) [web](https://example.com/x.md#y) `[code](gone.md)`\n"
+        "# Readme\n![figure](docs/figure.png) [gone](docs/gone.md) [bad](docs/page.md#not-a-heading)\n"
+        "[fenced](docs/page.md#not-a-heading-1)\n")
+    assert broken_links([tmp_path / "README.md"], tmp_path) == [
+        "README.md:4: docs/figure.png (no such file)",
+        "README.md:4: docs/gone.md (no such file)",
+        "README.md:4: docs/page.md#not-a-heading (no such heading in docs/page.md)",
+        "README.md:5: docs/page.md#not-a-heading-1 (no such heading in docs/page.md)",
+    ]
+
+
+def test_every_relative_link_and_anchor_in_the_documentation_resolves():
+    files = documentation_files()
+    assert ROOT / "docs" / "results.md" in files
+    broken = broken_links(files)
+    assert not broken, "links that do not resolve:\n" + "\n".join(broken)
+
+
+def test_every_readme_number_links_to_the_results():
+    """Each bullet of the README's Results section links to docs/results.md or a page under docs/results/ (or to
+    the page of the documentation that holds the measurement)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Results", 1)[1].split("\n## ", 1)[0]
+    bullets = re.split(r"\n- ", section)[1:]
+    assert bullets, "README.md's Results section has no bullets"
+    unlinked = [bullet.split("\n")[0] for bullet in bullets
+                if not re.search(r"\]\(docs/(results(\.md|/)|pretrained[\w-]*\.md)", bullet)]
+    assert not unlinked, "README results without a link to docs/results.md:\n" + "\n".join(unlinked)
+
+
+def test_results_index_is_short_and_bench_lists_every_script():
+    """docs/results.md is the index (the history lives under docs/results/); bench/README.md names every script
+    in bench/, and bench/ holds no more entry points than questions it answers."""
+    assert len((ROOT / "docs" / "results.md").read_text().splitlines()) <= 300
+    listing = (ROOT / "bench" / "README.md").read_text()
+    scripts = sorted(path.name for path in (ROOT / "bench").iterdir() if path.suffix in (".py", ".sh"))
+    unlisted = [name for name in scripts if f"`{name}`" not in listing and f"bench/{name}" not in listing]
+    assert not unlisted, "bench/README.md does not name: " + ", ".join(unlisted)
+    entry_points = listing.split("## Entry points", 1)[1].split("\n## ", 1)[0]
+    assert len(re.findall(r"^\| [^-|]", entry_points, re.MULTILINE)) - 1 <= 13

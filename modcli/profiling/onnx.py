@@ -40,7 +40,7 @@ cores they slowed the eager calls timed between them 2x (small preset, T 256, 2 
 made every onnxruntime call 7-11% slower (a thread wake-up per operator: the small preset's forward 20.3 against
 18.9-19.1 ms at B 1, T 256, Intel Xeon, 2 threads; eager beside it 18.3-18.6 against 18.9-19.1 ms), so profile
 lets the threads spin within a call and stops them when it returns (`session.force_spinning_stop`). On a 2-core AMD
-EPYC (`bench/ort_spinning_ab.py`, 3 alternated runs, medians) that made the onnxruntime forward 17.5 -> 15.8 ms (MoD)
+EPYC (`bench/ort_spinning_ab.py` at 56a5cc4, 3 alternated runs, medians) that made the onnxruntime forward 17.5 -> 15.8 ms (MoD)
 and 29.7 -> 26.6 ms (dense) and the decode step 1.12 -> 0.92 ms and 2.06 -> 1.61 ms, the eager calls beside them
 unchanged beyond their spread."""
 
@@ -49,7 +49,7 @@ ONNXRUNTIME_SETTLE_S = 0.02
 `settle`). PyTorch's OpenMP threads (libgomp) keep spinning for some milliseconds after a parallel region, and an
 onnxruntime call started within them shares the cores with them: on a 2-core AMD EPYC the small preset's
 onnxruntime dense forward (batch 1, T 256) took 1.18-1.19x its time alone when it started right after an eager
-call, and 1.01-1.04x after a pause of 20 ms (`bench/ort_after_eager.py`, `bench/results/speed/ort_after_eager.txt`).
+call, and 1.01-1.04x after a pause of 20 ms (`bench/ort_after_eager.py` at 93fede7, `bench/results/speed/ort_after_eager.txt`).
 A deployment runs onnxruntime in a process of its own, so that is what is timed. (The reverse needs no pause:
 profile's sessions stop their threads spinning when a call returns, `SESSION_STOP_SPINNING`.)"""
 
