@@ -38,9 +38,9 @@ _PACKAGE = Path(__file__).resolve().parent.parent
 _PRESET_FIELDS = {name for preset in PRESETS.values() for name in preset}
 
 # Where each config lives (module under modcli/, class): read as source, never imported here.
-MODEL = ("config.py", "ModelConfig")
-DATA = ("config.py", "DataConfig")
-TRAIN = ("config.py", "TrainConfig")
+MODEL = ("config/model.py", "ModelConfig")
+DATA = ("config/data.py", "DataConfig")
+TRAIN = ("config/training.py", "TrainConfig")
 EVAL = ("evaluation/perplexity.py", "EvalConfig")
 HARNESS = ("evaluation/harness.py", "HarnessConfig")
 GENERATE = ("decode/generation.py", "GenerateConfig")

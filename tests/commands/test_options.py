@@ -158,7 +158,7 @@ def test_help_comes_from_the_config_field_docstrings():
 
 
 def test_a_field_the_config_does_not_declare_is_named():
-    with pytest.raises(KeyError, match="ModelConfig in modcli/config.py declares no documented field 'wingspan'"):
+    with pytest.raises(KeyError, match="ModelConfig in modcli/config/model.py declares no documented field 'wingspan'"):
         options.field_help(options.MODEL, "wingspan")
 
 

@@ -1,0 +1,171 @@
+"""ModelConfig: the shape of a decoder (widths, depth, heads, RoPE, MLP) and its checks, with every routing, expert
+and family option as a field too; those options' checks and the layout they give (which blocks are routed, k, the
+dense twin) are in its base class RoutingLayout (modcli.config.routing).
+
+The fields stay in one class, in this order: config.json is written from them and read back by their names (old run
+folders included), and modcli/commands/options.py reads each field's docstring from this file as its flag's help.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from modcli.config.routing import RoutingLayout
+from modcli.config.validation import require
+
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
+                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts", "expert_routing",
+                "hash_table")
+"""ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
+
+
+@dataclass
+class ModelConfig(RoutingLayout):
+    """Shape and routing of an MoD decoder; `route_every=0` is the dense twin."""
+
+    vocab_size: int = 256
+    """Vocabulary size (256: byte-level tokens)."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block (d_model must be divisible by it unless the head size is set, as imported models do)."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention; n_heads must be a multiple); 0 = n_heads."""
+    head_size: int = 0
+    """Width of each attention head; 0 = d_model / n_heads."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    norm_eps: float | None = None
+    """Epsilon of the RMSNorms; None = the dtype's machine epsilon (PyTorch's default)."""
+    rope_scaling: dict[str, Any] | None = None
+    """Llama-3 RoPE frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}; None = plain RoPE."""
+    seq_len: int = 128
+    """Training context length in tokens."""
+    mlp_hidden: int = 0
+    """Hidden width of the SwiGLU MLP; 0 picks 8/3 x d_model rounded up to a multiple of 32."""
+    capacity: float = 0.125
+    """Fraction of tokens a routed block processes: k = max(1, floor(capacity x T))."""
+    route_every: int = 2
+    """Every how many blocks one is routed (2 = every other block, the paper's choice; 0 = dense)."""
+    route_offset: int = 1
+    """Index of the first routed block (block i is routed when i % route_every == route_offset)."""
+    route_layers: list[int] | None = None
+    """Route exactly these blocks (e.g. [1, 3, 5]) instead of every route_every-th one."""
+    router: str = "topk"
+    """Router kind of the routed blocks (modcli.models.routing.registry): topk, random, threshold, attention (A-MoD) or
+    integrated (MoDE: no-op experts in the MoE MLP)."""
+    router_weight: str = "sigmoid"
+    """How the router logit scales the block's delta: sigmoid, identity (the paper), none (gating off) or unit (value
+    1 with the sigmoid's gradient: a conversion --init-from a dense model starts as that model; its default there)."""
+    router_hidden: int = 0
+    """Hidden width of an MLP router (0: one linear layer), for routers with parameters."""
+    threshold: float | None = None
+    """threshold router: a token is processed when sigmoid(router logit) > threshold (default 0.5)."""
+    capacity_max: float | None = None
+    """threshold router: most tokens per sequence in the static-shape mode (export, compile); default 2 x capacity."""
+    route_part: str = "block"
+    """What a routed block skips for unselected tokens: block (attention and MLP), attention (only attention; the
+    MLP runs on every token) or mlp (only the MLP; attention, and so the KV cache, covers every token)."""
+    predictor_hidden: int = 32
+    """Hidden width of the causal predictor MLP per routed block; 0 trains no predictor."""
+    keep_first: int = 0
+    """Routed blocks always process the tokens at positions 0..N-1 of a sequence (the attention sink a pretrained
+    model leans on), in every routing mode; 0 = none."""
+    dropout: float = 0.0
+    """Dropout on attention weights and on block deltas during training."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the LM head."""
+    rope_base: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    experts: int = 0
+    """Experts of the mixture-of-experts MLP in every block (modcli.models.moe); 0 = the dense SwiGLU MLP."""
+    expert_top_k: int = 1
+    """Experts each token chooses (token choice; no-op experts included)."""
+    expert_capacity_factor: float = 1.25
+    """Training only: slots per expert over the whole batch = ceil(factor x batch x tokens x top-k / (experts +
+    no-op experts)); choices beyond them ride the residual. Evaluation and decoding have no limit."""
+    attention_score: str = "neutral"
+    """--router attention (A-MoD): how the attention a token received is scored, neutral (each weight against the
+    usual one at its query-key distance, standardised per position over the batch; modcli.models.decoder
+    `received_attention`) or seen-by (the sum over the queries that see the token divided by their number; runs
+    saved before this option load with it)."""
+    expert_weight: str = "unit"
+    """How a chosen expert's gate probability p scales its update: unit (value 1 with the gradient of log p,
+    p / p.detach(): the update is not shrunk) or probability (p itself; runs saved before this option load with
+    it)."""
+    noop_experts: int = 0
+    """--router integrated (integrated MoDE): no-op experts added to the MoE of the routed blocks; a token that
+    chooses one skips the MLP."""
+    expert_routing: str = "learned"
+    """How a token's expert is chosen: learned (a gate, token choice) or hash (Hash Layers, Roller et al. 2021: a
+    fixed random table token id -> expert, balanced over the vocabulary, saved with the weights; no gate, weight 1,
+    no balancing loss, top-1). Real text is not balanced over the vocabulary (bytes: one of 4 experts gets 57%), so
+    use --hash-table balanced with it (or raise --expert-capacity-factor: 2.5 drops almost nothing on the byte corpus
+    with the random table)."""
+    hash_table: str = "random"
+    """--expert-routing hash: how `modcli train` builds the table. random: a fixed permutation of the vocabulary
+    modulo E, the same for every run (each expert gets vocab / E ids); balanced: Hash Layers' balanced assignment
+    over the training split, the most frequent ids first, each to the expert with the fewest training tokens so far
+    (on the byte corpus with E = 4 the experts get 28/24/24/24% of the tokens, against 57% for one with random).
+    The table is saved with the weights; --resume and --init-from keep the saved one."""
+    arch: str = "mod"
+    """Model family (modcli.models.families): mod (Mixture-of-Depths, dense with --dense), early-exit (LayerSkip: layer
+    dropout, an exit loss at every block, exit decoding) or recursion (Mixture-of-Recursions)."""
+    layer_dropout_max: float = 0.1
+    """--arch early-exit: training-time probability of skipping the last block for a whole sequence; block l of L
+    is skipped with probability layer_dropout_max x l / (L - 1), 0 for the first."""
+    exit_loss_scale: float = 0.5
+    """--arch early-exit: weight of the early-exit loss beside the final layer's loss (weight 1): the exits of
+    blocks 0..L-2, through the shared final norm and head, weighted (l + 1) / sum(j + 1), rising with depth."""
+    recursions: int = 3
+    """--arch recursion: how many times the shared stack runs (Mixture-of-Recursions); n_layers, the unrolled depth,
+    must be 2 + recursions x the shared blocks (the first and last blocks are unique)."""
+    recursion_capacities: list[float] | None = None
+    """--arch recursion: share of the tokens each recursion step keeps (non-increasing, in (0, 1]); None =
+    (N - r) / N for step r of N (1, 0.67, 0.33 for N = 3)."""
+    recursion_update: str = "published"
+    """--arch recursion: how a recursion step writes its selected tokens back: published (the MoR authors' code:
+    x + alpha x sigmoid(l) x stack(x), a scatter-add of the stack's output) or delta (x + sigmoid(l) x (stack(x) -
+    x), the MoD block update with the stack as f; runs saved before this option load with it)."""
+    recursion_alpha: float = 0.1
+    """--arch recursion with --recursion-update published: alpha, the scale of the scatter-added stack output (the
+    authors' 0.1)."""
+
+    def __post_init__(self) -> None:
+        require(self.vocab_size >= 2, f"--vocab-size must be >= 2, got {self.vocab_size}")
+        require(self.d_model >= 1, f"--d-model must be positive, got {self.d_model}")
+        require(self.n_layers >= 1, f"--n-layers must be positive, got {self.n_layers}")
+        require(self.n_heads >= 1, f"--n-heads must be positive, got {self.n_heads}")
+        require(
+            self.head_size > 0 or self.d_model % self.n_heads == 0,
+            f"--d-model ({self.d_model}) must be divisible by --n-heads ({self.n_heads})",
+        )
+        require(self.head_dim % 2 == 0, f"the head size must be even for RoPE, got {self.head_dim}")
+        require(self.n_kv_heads >= 0 and self.n_heads % self.kv_heads == 0,
+                f"--n-heads ({self.n_heads}) must be a multiple of the key/value heads ({self.n_kv_heads})")
+        require(self.norm_eps is None or self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
+        require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
+                f"rope_scaling must be of rope_type llama3, got {self.rope_scaling!r}")
+        require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
+        self._check_arch()
+        self._check_routing()
+        require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
+        require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
