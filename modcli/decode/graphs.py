@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from modcli.models.cache import write_new_rows
 from modcli.models.decoder import Block, MoDDecoder, config_rope
+from modcli.models.routing.block_rule import capacity_tokens_in_graph, keep_first_decisions, route_part
 from modcli.models.routing.selection import Selection, residual_update
 
 ROW_CAP_FACTOR = 2
@@ -63,7 +64,7 @@ def capacity_from_length(positions: Tensor, num: int, den: int):
     only facts are the two checks below, and the graph keeps the arithmetic (Mul, Div, Clip) for any T.
     """
     seq_len = positions.shape[0]
-    k_tensor = ((positions[-1] + 1) * num // den).clamp(min=1)  # integer arithmetic on a 0-d int64 tensor
+    k_tensor = capacity_tokens_in_graph(positions[-1] + 1, num, den)  # integer arithmetic on a 0-d int64 tensor
     k = k_tensor.item()
     torch._check(k >= 1)
     torch._check(k <= seq_len)
@@ -145,7 +146,7 @@ def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tenso
     key_self, value_self = key_self.to(keys.dtype), value_self.to(values.dtype)
     out = attend_cache_and_self(q, keys, values, lengths, key_self, value_self).to(q.dtype)  # (B, H, 1, hd)
     attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
-    if part == "attention":
+    if not route_part(part).mlp:
         return attn_update, key_self, value_self
     return attn_update + block.mlp(block.mlp_norm(x + attn_update), token_ids), key_self, value_self
 
@@ -272,12 +273,12 @@ class DecodeStepGraph(nn.Module):
             router_logits = block.router.logits(x, positions[:, None])  # (B, 1)
             decisions = block.router.decide(x, router_logits, self.routing, positions[:, None],
                                             config.capacity)[:, 0]  # (B,) causal yes/no
-            if config.keep_first:
-                decisions = decisions | (positions < config.keep_first)  # (B,) --keep-first
-            part = config.route_part
-            if part == "mlp":  # every row attends and is cached; only the MLP is routed, and its If holds no cache
+            decisions = keep_first_decisions(decisions, positions, config.keep_first)  # (B,) --keep-first
+            rule = route_part(config.route_part)
+            part = rule.name
+            if rule.before:  # every row attends and is cached; only the MLP is routed, and its If holds no cache
                 attn_update, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths,
-                                                                  "attention")
+                                                                  rule.before)
                 x = x + attn_update.to(x.dtype)
 
                 def mlp_only(x, router_logits, decisions, token_ids, block=block):
@@ -331,7 +332,7 @@ class DecodeStepGraph(nn.Module):
             x, new_keys, new_values = self._branch(
                 decisions, process, skip,
                 (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows))
-            if part == "attention":  # only attention was routed; the MLP runs on every row
+            if rule.after:  # only attention was routed; the MLP runs on every row
                 x = x + block.mlp(block.mlp_norm(x), token_ids)
             new_rows += [new_keys, new_values]
             processed.append(decisions)

@@ -20,6 +20,7 @@ from modcli.errors import UserError
 from modcli.models.cache import DecoderCache, LayerKVCache
 from modcli.models.moe import ExpertStats, MoEMLP
 from modcli.models.routing.base import Router, RouterCapabilities, RoutingRecord
+from modcli.models.routing.block_rule import keep_first_decisions, keep_first_scores, route_part
 from modcli.models.routing.registry import ROUTER_KINDS, router_class
 from modcli.models.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal
 
@@ -59,7 +60,7 @@ def config_rope(config: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]
 def decode_rope(config: ModelConfig, positions: Tensor) -> tuple[Tensor, Tensor]:
     """The RoPE tables of one decode step: positions (B,) -> cos, sin (B, 1, hd/2). A decode step makes them once
     and hands them to every block: 8 operators a block saved, the small preset's eager decode step 3-6% faster at
-    batch 1 and 1-6% at batch 8 on a 2-core AMD EPYC (bench/decode_rope_ab.py), logits bit for bit the same."""
+    batch 1 and 1-6% at batch 8 on a 2-core AMD EPYC (bench/decode_rope_ab.py at bfa1954), logits bit for bit the same."""
     return config_rope(config, positions[:, None])
 
 
@@ -222,12 +223,13 @@ class Block(nn.Module):
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
               part: str = "block", token_ids: Tensor | None = None) -> Tensor:
         """f(x) of a pre-norm block without the residual: the attention update plus the MLP update (part "block"),
-        or only the attention update ("attention") or only the MLP update ("mlp"). `token_ids` (B, n): the ids of
-        x's tokens, which a hash-routed MoE MLP reads."""
-        if part == "mlp":
+        or only the attention update ("attention") or only the MLP update ("mlp"), as `route_part` names them.
+        `token_ids` (B, n): the ids of x's tokens, which a hash-routed MoE MLP reads."""
+        sublayers = route_part(part)
+        if not sublayers.attention:
             return self.delta_dropout(self.mlp(self.mlp_norm(x), token_ids))
         attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received))
-        if part == "attention":
+        if not sublayers.mlp:
             return attn_update
         mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update), token_ids))
         return attn_update + mlp_update
@@ -266,22 +268,21 @@ class Block(nn.Module):
         keep_first = self.config.keep_first  # positions 0..keep_first-1 are always processed (--keep-first)
         if router.capabilities.is_causal(routing):
             decisions = router.decide(x, router_logits, routing, positions, capacity, predictor_logits)  # (B, T)
-            if keep_first:
-                decisions = decisions | (positions < keep_first)
+            decisions = keep_first_decisions(decisions, positions, keep_first)
             if lengths is not None:  # padding comes after each row's tokens: never processed, never cached
                 decisions = decisions & (positions[None, :] < lengths[:, None])
             selection = select_causal(decisions)
         else:
-            scores = router_logits.masked_fill(positions < keep_first, float("inf")) if keep_first else router_logits
+            scores = keep_first_scores(router_logits, positions, keep_first)
             selection = router.select(scores, routing, k if k is not None else router.static_tokens(seq_len, capacity))
         record = RoutingRecord(self.layer, routing, router, router_logits, predictor_logits, selection, capacity)
-        part = self.config.route_part
-        if part == "mlp":  # attention (and the KV cache) covers every token; only the MLP is routed
-            x = x + self.delta(x, cos[None], sin[None], every_token, part="attention")
+        rule = route_part(self.config.route_part)
+        if rule.before:  # attention (and the KV cache) covers every token; only the MLP is routed
+            x = x + self.delta(x, cos[None], sin[None], every_token, part=rule.before)
             cache = None
         x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows, token_ids)
-        if part == "attention":  # only attention was routed; the MLP runs on every token
-            x = x + self.delta(x, cos[None], sin[None], part="mlp", token_ids=token_ids)
+        if rule.after:  # only attention was routed; the MLP runs on every token
+            x = x + self.delta(x, cos[None], sin[None], part=rule.after, token_ids=token_ids)
         return x, record
 
     def update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
@@ -314,15 +315,15 @@ class Block(nn.Module):
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
             return x + self._decode_delta(x, cos, sin, cache, rows, token_ids=token_ids)
-        router, part = self.router, self.config.route_part
+        router, rule = self.router, route_part(self.config.route_part)
+        part = rule.name
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
         decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)
-        if self.config.keep_first:
-            decisions = decisions | (positions[:, None] < self.config.keep_first)
-        if part == "mlp":  # every row attends and is cached; only the MLP is routed
+        decisions = keep_first_decisions(decisions, positions[:, None], self.config.keep_first)
+        if rule.before:  # every row attends and is cached; only the MLP is routed
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
-            x = x + self._decode_delta(x, cos, sin, cache, rows, "attention")  # no MLP: no ids
+            x = x + self._decode_delta(x, cos, sin, cache, rows, rule.before)  # no MLP: no ids
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
@@ -344,7 +345,7 @@ class Block(nn.Module):
             row_ids = token_ids[rows] if token_ids is not None and self.mlp_reads_ids else None  # (n, 1)
             delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids)  # (n, 1, D)
             x = x.index_put((rows,), residual_update(x_rows, delta, weight))
-        if part == "attention":  # only attention was routed; the MLP runs on every row
+        if rule.after:  # only attention was routed; the MLP runs on every row
             x = x + self.mlp(self.mlp_norm(x), token_ids)
         return x
 
@@ -352,10 +353,11 @@ class Block(nn.Module):
                       part: str = "block", token_ids: Tensor | None = None) -> Tensor:
         """f(x) of one token per row (n, 1, D) with the KV cache, `token_ids` (n, 1) their ids; `part` as in
         `delta`."""
-        if part == "mlp":
+        sublayers = route_part(part)
+        if not sublayers.attention:
             return self.mlp(self.mlp_norm(x), token_ids)
         attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows)
-        if part == "attention":
+        if not sublayers.mlp:
             return attn_update
         return attn_update + self.mlp(self.mlp_norm(x + attn_update), token_ids)
 

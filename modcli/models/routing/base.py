@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
+from modcli.models.routing.block_rule import capacity_tokens
 from modcli.models.routing.selection import Selection
 
 if TYPE_CHECKING:
@@ -123,8 +124,7 @@ class Router(nn.Module, metaclass=abc.ABCMeta):
         return fraction(capacity)
 
     def static_tokens(self, seq_len: int, capacity: float) -> int:
-        num, den = self.static_fraction(capacity)
-        return max(1, seq_len * num // den)
+        return capacity_tokens(seq_len, *self.static_fraction(capacity))
 
     def select(self, logits: Tensor, mode: str, k: int) -> Selection:
         """A full-sequence (non-causal) mode: which tokens of each sequence the block processes, k of them."""

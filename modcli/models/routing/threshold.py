@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modcli.models.routing.base import ROUTER_WEIGHT_FUNCTIONS, Router, RouterCapabilities, RoutingRecord, fraction
+from modcli.models.routing.block_rule import capacity_tokens
 from modcli.models.routing.selection import Selection, select_capped, select_topk, topk_labels
 from modcli.models.routing.topk import score_flops, score_network, shift_output_bias
 
@@ -82,7 +83,7 @@ class ThresholdRouter(Router):
         if self.logit_threshold == -math.inf:  # p = 0: every token passes whatever the logits
             return zero, zero
         num, den = fraction(record.capacity)  # the capacity in force (--capacity-warmup included), not the cap
-        k = max(1, logits.shape[1] * num // den)
+        k = capacity_tokens(logits.shape[1], num, den)
         labels = topk_labels(select_topk(logits.detach(), k).selected_idx, logits.shape[1])  # (B, T)
         return F.binary_cross_entropy_with_logits(logits - self.logit_threshold, labels), zero
 
@@ -90,8 +91,7 @@ class ThresholdRouter(Router):
     def metrics(self, record: RoutingRecord) -> dict[str, dict[str, float]]:
         passed = record.router_logits > self.logit_threshold  # (B, T)
         seq_len = passed.shape[1]
-        num, den = self.cap_fraction(self.config)
-        cap = max(1, seq_len * num // den)
+        cap = capacity_tokens(seq_len, *self.cap_fraction(self.config))
         return {"threshold": {
             "processed_fraction": passed.float().mean().item(),
             "soft_share": torch.sigmoid(record.router_logits.float() - self.logit_threshold).mean().item(),

@@ -28,6 +28,17 @@ _OUTPUT_FIELDS = CausalLMOutputWithPast.__dataclass_fields__
 CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"  # transformers 5 renamed it
 
 
+ROUTE_PARTS = {"block": (True, True), "attention": (True, False), "mlp": (False, True)}
+"""--route-part -> (attention is routed, MLP is routed): the sublayers a skipped token skips; a sublayer not routed
+runs on every token (attention before the routed update, the MLP after it). Restates modcli's routed-block rule
+(modcli.models.routing.block_rule, which this file cannot import); tests/models/test_block_rule.py checks the two."""
+
+
+def keep_first_decisions(chosen: Tensor, positions: Tensor, keep_first: int) -> Tensor:
+    """--keep-first: positions 0..keep_first-1 are always processed (restates modcli's block_rule)."""
+    return chosen | (positions < keep_first) if keep_first else chosen
+
+
 def unit_weight(logits: Tensor) -> Tensor:
     weight = torch.sigmoid(logits)
     return weight - weight.detach() + 1.0  # value 1, the sigmoid's gradient
@@ -296,6 +307,7 @@ class Block(nn.Module):
         self.mlp = MoEMLP(config, noop) if config.experts else SwiGLU(config)
         self.routed = layer in config.routed_layers
         self.part = config.route_part if self.routed else "block"
+        self.routes_attention, self.routes_mlp = ROUTE_PARTS[self.part]
         self.router = Router(config, layer) if self.routed else None
 
     def rope(self, positions: Tensor, picked: Picked) -> tuple[Tensor, Tensor]:
@@ -309,10 +321,8 @@ class Block(nn.Module):
         if self.routed:
             logits = self.router.logits(x)  # (B, n) or None
             chosen = self.router.decide(x, logits, positions)
-            if self.config.keep_first:
-                chosen = chosen | (positions < self.config.keep_first)
-            chosen = chosen & real
-        if self.part == "mlp":  # every token attends and is cached; only the MLP is routed
+            chosen = keep_first_decisions(chosen, positions, self.config.keep_first) & real
+        if not self.routes_attention:  # every token attends and is cached; only the MLP is routed
             every = Picked(real)
             if not every.empty:
                 h = every.gather(x)
@@ -321,16 +331,16 @@ class Block(nn.Module):
         if not picked.empty:  # no row picked any token: the block costs nothing
             h = picked.gather(x)  # (r, k, D)
             picked_ids = picked.gather(ids) if getattr(self.mlp, "hashed", False) else None  # (r, k): hash routing's
-            if self.part == "mlp":
+            if not self.routes_attention:
                 delta = self.mlp(self.mlp_norm(h), picked_ids)
             else:
                 attn_update = self.attn(self.attn_norm(h), *self.rope(positions, picked), picked, cache)
-                delta = (attn_update if self.part == "attention"
+                delta = (attn_update if not self.routes_mlp
                          else attn_update + self.mlp(self.mlp_norm(h + attn_update), picked_ids))
             weight = self.router.weight(logits, picked) if self.routed else None
             updated = (h + delta if weight is None else h + weight * delta).to(h.dtype)
             x = picked.scatter(x, torch.where(picked.valid[..., None], updated, h))
-        if self.part == "attention":  # only attention was routed; the MLP runs on every token
+        if not self.routes_mlp:  # only attention was routed; the MLP runs on every token
             x = x + self.mlp(self.mlp_norm(x), ids)
         return x
 
