@@ -304,3 +304,93 @@ def test_modcli_run_flags(extra, where, bundle, capsys):
     if code:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, err)
+
+
+# ----------------------------------------------------------------------------------------------- the files commands read
+
+
+TOML_VALUES = ['"four"', '"5"', '""', '"no"', '"false"', "2.5", "1.5", "0", "-1", "0.0", "1e309", "nan", "inf", "true",
+               "[]", "[1, 2]", '["a"]', "{}", "{ x = 1 }", "1979-05-27"]
+GRID_KEYS = [("", "preset"), ("", "budgets"), ("", "seeds"), ("common", "seq_len"), ("common", "batch_size"),
+             ("common", "lr"), ("eval", "batches"), ("profile", "repeats"), ("profile", "batch_size"),
+             ("size", "d_model"), ("size", "n_layers"), ("size", "n_heads"), ("variant", "dense"),
+             ("variant", "capacity"), ("variant", "router"), ("variant", "no_such_key")]
+GRID = {"": ['preset = "tiny"', "budgets = [1e9]"], "common": ["seq_len = 16", "batch_size = 2"],
+        "eval": ["batches = 2"], "profile": ["repeats = 1"], "size": ["d_model = 32", "n_layers = 2", "n_heads = 4"],
+        "variant": ["dense = true"]}
+
+
+def grid_text(changes: list[tuple[tuple[str, str], str]]) -> str:
+    """The base grid above with each drawn key set to its drawn value (added when the base lacks it)."""
+    tables = {table: {line.split(" = ")[0]: line.split(" = ")[1] for line in lines} for table, lines in GRID.items()}
+    for (table, key), value in changes:
+        tables[table][key] = value
+    header = {"": "", "size": "[[size]]\n", "variant": "[[variant]]\n"}
+    return "".join(header.get(table, f"[{table}]\n") + "".join(f"{k} = {v}\n" for k, v in keys.items())
+                   for table, keys in tables.items())
+
+
+@pytest.mark.slow
+@fuzz_settings(10)
+@given(changes=st.lists(st.tuples(st.sampled_from(GRID_KEYS), st.sampled_from(TOML_VALUES)), min_size=1, max_size=3),
+       dry_run=st.booleans())
+def test_sweep_grid_values(changes, dry_run, tmp_path_factory):
+    """Whatever a grid's keys hold, `modcli sweep` checks them when it loads the grid, with --dry-run and with
+    --report-only (which loads the grid as a training sweep does, then trains nothing): it plans or reports, or
+    names the key and file in one line."""
+    grid = tmp_path_factory.mktemp("grid") / "grid.toml"
+    grid.write_text(grid_text(changes))
+    args = ["sweep", str(grid), "--out", "sweep", "--dry-run" if dry_run else "--report-only"]
+    check(invoke(tmp_path_factory, args), args)
+
+
+RESULT_LINES = [b"", b"{", b"[]", b"null", b'"text"', bytes(range(1, 10)), b"\xff\xfe\xfd", b'{"name": 3}',
+                b'{"name": ["a"], "budget": 1e9}', b'{"name": "x", "budget": "big"}', b'{"causal_loss": "low"}',
+                b'{"name": "x", "budget": -1, "parameters": 0}', b'{"budget": NaN}', b'{"name": "x"' * 50]
+
+
+@pytest.mark.slow
+@fuzz_settings(10)
+@given(lines=st.lists(st.one_of(st.sampled_from(RESULT_LINES), st.binary(max_size=40)), min_size=1, max_size=5))
+def test_sweep_results_files(lines, tmp_path_factory):
+    """A sweep folder's results.jsonl holding anything: `--report-only` reports what it can, never a traceback."""
+    grid = tmp_path_factory.mktemp("grid") / "grid.toml"
+    grid.write_text(grid_text([]))
+    folder = tmp_path_factory.mktemp("sweep")
+    (folder / "grid.toml").write_text(grid.read_text())
+    (folder / "results.jsonl").write_bytes(b"\n".join(lines))
+    args = ["sweep", str(grid), "--out", str(folder), "--report-only"]
+    check(invoke(tmp_path_factory, args), args)
+
+
+TASKS = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval_tasks"
+YAML_VALUES = ["", "[", "]", "{", "!function data.nosuch", "!function nosuch.module", "42", "null", "no_such_metric",
+               "loglikelihood", "generate_until", "'{{ nosuch }}'", "'{{'", "choices", "- 1", "train", "validation"]
+
+
+@pytest.mark.slow
+@fuzz_settings(8)
+@given(edits=st.lists(st.tuples(st.integers(0, 40), st.sampled_from(["delete", "value", "cut"]),
+                                st.sampled_from(YAML_VALUES)), min_size=1, max_size=2),
+       fewshot=st.sampled_from([None, "0", "3", "9", "-1"]))
+def test_eval_task_files(edits, fewshot, trained_run, tmp_path_factory):
+    """A task YAML edited into anything (a line deleted, a value replaced, the file cut short) and any few-shot
+    count: `modcli eval --tasks FILE` evaluates it or names the task and file in one line, never a traceback."""
+    lines = (TASKS / "tiny_choice.yaml").read_text().splitlines()
+    for position, edit, value in edits:
+        at = position % len(lines)
+        if edit == "delete":
+            del lines[at]
+        elif edit == "cut":
+            lines = lines[:at]
+        else:
+            key, sep, _ = lines[at].partition(":")
+            lines[at] = f"{key}: {value}" if sep else value
+        if not lines:
+            lines = [""]
+    folder = tmp_path_factory.mktemp("tasks")
+    (folder / "data.py").write_text((TASKS / "data.py").read_text())
+    (folder / "fuzzed.yaml").write_text("\n".join(lines) + "\n")
+    args = ["eval", str(trained_run), "--device", "cpu", "--tasks", str(folder / "fuzzed.yaml"), "--limit", "2",
+            *(["--num-fewshot", fewshot] if fewshot is not None else [])]
+    check(invoke(tmp_path_factory, args), args)
