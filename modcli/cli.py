@@ -1,5 +1,6 @@
 """The command line. It only parses flags and prints results; each subcommand lives in modcli/commands/, its flags
-in modcli/commands/options.py. Importing it imports no torch: `modcli --help` is instant."""
+generated from the config fields they set (modcli/commands/config_flags.py) or, for the few no field holds, declared in
+modcli/commands/options.py. Importing it imports no torch: `modcli --help` is instant."""
 
 from __future__ import annotations
 

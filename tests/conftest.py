@@ -25,7 +25,7 @@ def tiny_model_config(**overrides) -> ModelConfig:
     values = dict(d_model=32, n_layers=4, n_heads=4, seq_len=32, capacity=0.25, route_every=2, route_offset=1,
                   predictor_hidden=16)
     values.update(overrides)
-    return ModelConfig(**values)
+    return ModelConfig.of(**values)
 
 
 def make_corpus_text(n_lines: int = 400) -> str:

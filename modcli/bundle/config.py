@@ -22,7 +22,7 @@ class ExportConfig:
     checkpoint: str
     """A run folder (its newest checkpoint) or one checkpoint folder."""
     out: str = "bundles/latest"
-    """Bundle folder to write (must not exist unless --force)."""
+    """Folder to write: the ONNX bundle or, with --hf, the Hugging Face folder (must not exist unless --force)."""
     onnx: bool | None = None
     """Export the ONNX graphs (forward.onnx, decode.onnx) that the PyTorch-free runtime runs; None = on, unless
     --hf."""
@@ -32,7 +32,7 @@ class ExportConfig:
     code."""
     compile: bool = False
     """Also save torch.export ExportedPrograms (.pt2) and AOTInductor packages (.aoti.pt2) of both graphs."""
-    graphs: list[str] = field(default_factory=lambda: list(GRAPHS))
+    graphs: list[str] = field(default_factory=lambda: list(GRAPHS), metadata={"flag": "--graph", "repeated": True})
     """Which graphs to export: forward (top-k, scoring) and/or decode (causal, what the runtime generates with)."""
     routing: str | None = None
     """Causal routing of the decode graph: a causal mode of the model's router (topk: router or predictor);
@@ -51,7 +51,7 @@ class ExportConfig:
     decode_steps: int = 16
     """Greedy tokens generated per prompt when the decode graph is compared with `modcli generate`."""
     text: str | None = None
-    """Text file for the real-text validation cases; default: the standard library's textwrap.py."""
+    """UTF-8 text file the real-text checks read; default: the standard library's textwrap.py."""
     seed: int = 1337
     """Seed of the random validation tokens."""
     force: bool = False

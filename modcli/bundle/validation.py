@@ -36,6 +36,7 @@ from modcli.bundle.lowering import MIN_OPSET, GraphSpec
 from modcli.config import ModelConfig
 from modcli.decode.generation import prefill
 from modcli.decode.graphs import selected_positions
+from modcli.decode.greedy import greedy_decode
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
@@ -184,15 +185,16 @@ def eager_generation(model: MoDDecoder, prompts: list[list[int]], steps: int, ro
 
 
 def _greedy_steps(model: MoDDecoder, cache, logits: torch.Tensor, batch: int, steps: int, routing: str):
+    """`modcli generate`'s decoding loop at temperature 0 (modcli.decode.greedy), keeping each step's logits."""
     tokens: list[list[int]] = [[] for _ in range(batch)]
     kept: list[list[np.ndarray]] = [[] for _ in range(batch)]
-    for step in range(steps):
-        chosen = logits.argmax(dim=-1)  # (B,)
+
+    def emit(index: int, chosen: torch.Tensor, logits: torch.Tensor) -> None:
         for row in range(batch):
             tokens[row].append(int(chosen[row]))
             kept[row].append(logits[row].float().numpy())
-        if step + 1 < steps:
-            logits = model.decode_step(chosen, cache, routing).float()
+
+    greedy_decode(logits, steps, lambda chosen: model.decode_step(chosen, cache, routing).float(), emit)
     return tokens, kept
 
 

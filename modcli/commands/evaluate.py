@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
-import typer
 from rich.table import Table
 
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stdout, subcommand
+from modcli.commands.config_flags import ConfigFlag, config_flags, source_flags
 from modcli.errors import UserError
 from modcli.reports.console import print_json
 
@@ -22,34 +23,29 @@ TASKS_ONLY = {"include_path": "--include-path", "num_fewshot": "--num-fewshot", 
 """Flags of --tasks that mean nothing to the perplexity evaluation."""
 
 
+def eval_flags() -> list[ConfigFlag]:
+    """The perplexity evaluation's flags, then --tasks' own (the flags both share are the first's)."""
+    return [*source_flags("evaluation/perplexity.py", "EvalConfig", leave_out=("checkpoint",)),
+            *source_flags("evaluation/harness.py", "HarnessConfig", leave_out=("checkpoint",))]
+
+
 @subcommand
+@config_flags(eval_flags)
 def eval_command(
-    ctx: typer.Context,
     checkpoint: options.Checkpoint = None,
-    data: options.Data = None,
-    glob: options.Glob = None,
-    routing: options.RoutingModes = None,
-    batches: options.Batches = None,
-    batch_size: options.BatchSize = None,
-    device: options.Device = None,
-    dtype: options.Dtype = None,
-    packed_linears: options.PackedLinears = None,
-    tasks: options.Tasks = None,
-    include_path: options.IncludePath = None,
-    num_fewshot: options.NumFewshot = None,
-    limit: options.Limit = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Validation loss, bits per byte and perplexity under each routing mode (non-causal ones as a reference); with
     --tasks, lm-evaluation-harness tasks under one causal routing mode."""
-    values = options.given(ctx)
-    if tasks is not None:
+    values = {**flags, "checkpoint": checkpoint}
+    if "tasks" in values:
         _tasks(values, json_output)
         return
     stray = [flag for name, flag in TASKS_ONLY.items() if name in values]
     if stray:
         raise UserError(f"{stray[0]} applies to lm-evaluation-harness tasks: give --tasks too")
-    result = modcli.evaluate(options.build(modcli.EvalConfig, values))
+    result = modcli.evaluate(modcli.EvalConfig(**values))
     if json_output:
         print_json(dataclasses.asdict(result))
         return
@@ -105,8 +101,7 @@ def _tasks(values: dict, json_output: bool) -> None:
     if len(routing) > 1:
         raise UserError(f"--tasks runs under one causal --routing mode, got {len(routing)}: {', '.join(routing)}")
     values["routing"] = routing[0]
-    values["tasks"] = values["tasks"].split(",")
-    result = modcli.evaluate_tasks(options.build(modcli.HarnessConfig, values))
+    result = modcli.evaluate_tasks(modcli.HarnessConfig(**values))
     if json_output:
         print_json(dataclasses.asdict(result))
         return

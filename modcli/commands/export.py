@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -10,35 +11,22 @@ from rich.table import Table
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stderr, stdout, subcommand
+from modcli.commands.config_flags import config_flags, source_flags
 from modcli.reports.console import print_json
 
 
 @subcommand
+@config_flags(lambda: source_flags("bundle/config.py", "ExportConfig", leave_out=("checkpoint",)))
 def export(
-    ctx: typer.Context,
     checkpoint: options.Checkpoint = None,
-    out: options.ExportOut = None,
-    onnx: options.OnnxGraphs = None,
-    hf: options.HF = None,
-    compile: options.Compile = None,
-    graphs: options.Graphs = None,
-    routing: options.Routing = None,
-    dtype: options.Dtype = None,
-    provider: options.Provider = None,
-    opset: options.Opset = None,
-    opset_only: options.OpsetOnly = None,
-    atol: options.Atol = None,
-    decode_steps: options.DecodeSteps = None,
-    text: options.ExportText = None,
-    seed: options.Seed = None,
-    force: options.Force = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs;
     with --hf, to a Hugging Face folder that transformers loads (checked against modcli where it is installed)."""
     log = (lambda message: None) if json_output else (lambda message: stderr.print(message, highlight=False,
                                                                                    soft_wrap=True))
-    config = options.build(modcli.ExportConfig, options.given(ctx))
+    config = modcli.ExportConfig(checkpoint, **flags)
     if config.hf:
         _hf_export(config, log, json_output)
         return

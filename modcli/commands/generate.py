@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING
-
-import typer
+from typing import TYPE_CHECKING, Any
 
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stderr, subcommand
+from modcli.commands.config_flags import config_flags, source_flags
 from modcli.reports.console import print_json
 
 if TYPE_CHECKING:
@@ -19,27 +18,14 @@ if TYPE_CHECKING:
 
 
 @subcommand
+@config_flags(lambda: source_flags("decode/generation.py", "GenerateConfig", leave_out=("checkpoint",)))
 def generate(
-    ctx: typer.Context,
     checkpoint: options.Checkpoint = None,
-    prompts: options.Prompts = None,
-    max_new_tokens: options.MaxNewTokens = None,
-    temperature: options.Temperature = None,
-    top_k: options.TopK = None,
-    top_p: options.TopP = None,
-    seed: options.Seed = None,
-    routing: options.Routing = None,
-    device: options.Device = None,
-    dtype: options.Dtype = None,
-    compile: options.Compile = None,
-    packed_linears: options.PackedLinears = None,
-    exit_threshold: options.ExitThreshold = None,
-    speculative: options.Speculative = None,
-    draft_tokens: options.DraftTokens = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Generate text with causal routing and a KV cache holding only the tokens each block processed."""
-    config = options.build(modcli.GenerateConfig, options.given(ctx))
+    config = modcli.GenerateConfig(checkpoint, **flags)
     stream = None
     if not json_output and len(config.prompts) == 1:
         stream = modcli.Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), prefix=config.prompts[0])

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-
-import typer
+from typing import Any
 
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stderr, stdout, subcommand
+from modcli.commands.config_flags import config_flags, source_flags
 from modcli.reports.console import key_value_table, print_json
 
 
 @subcommand
+@config_flags(lambda: source_flags("pretrained/importer.py", "ImportConfig", leave_out=("source", "out")))
 def import_command(
-    ctx: typer.Context,
     source: options.Source,
     out: options.ImportOut,
-    seq_len: options.SeqLen = None,
-    dtype: options.Dtype = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Import a pretrained Hugging Face decoder (Llama, Mistral or Qwen2; safetensors) as a dense modcli run
     (weights, config, tokenizer)."""
-    result = modcli.import_model(options.build(modcli.ImportConfig, options.given(ctx)),
+    result = modcli.import_model(modcli.ImportConfig(source, out, **flags),
                                  log=lambda message: stderr.print(message, highlight=False, soft_wrap=True))
     if json_output:
         print_json(dataclasses.asdict(result))

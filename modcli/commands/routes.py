@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
-import typer
 from rich.table import Table
 
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stdout, subcommand
+from modcli.commands.config_flags import config_flags, source_flags
 from modcli.errors import UserError
 from modcli.reports.console import print_json
 
@@ -19,15 +20,13 @@ DEFAULT_OUT = "routes.html"
 
 
 @subcommand
+@config_flags(lambda: source_flags("reports/route_map.py", "RouteConfig", leave_out=("checkpoint", "text")))
 def routes(
-    ctx: typer.Context,
     checkpoint: options.Checkpoint = None,
     text: options.RoutesText = None,
     out: options.RoutesOut = None,
-    max_tokens: options.MaxTokens = None,
-    start: options.Start = None,
-    device: options.Device = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Per routed block of an MoD model: the tokens each routing mode processed, the causal rule's probability, and
     where the causal rules disagree with top-k. --out routes.html: the whole text per block, every mode; routes.png:
@@ -38,13 +37,13 @@ def routes(
         raise UserError(f"--out must end in .html or .png, got {out!r}")
     if text is None:
         raise UserError("--text is required: the UTF-8 text file to route (e.g. --text README.md)")
-    values = options.given(ctx)
+    values = {**flags, "checkpoint": checkpoint, "text": text}
     if suffix == ".png":
         values.setdefault("max_tokens", modcli.PNG_WINDOW)  # a window a person can read; the HTML holds any length
         if values["max_tokens"] > modcli.PNG_MAX_TOKENS:
             raise UserError(f"--max-tokens: a PNG draws at most {modcli.PNG_MAX_TOKENS} tokens, got "
                             f"{values['max_tokens']}; --out routes.html shows the whole text")
-    result = modcli.route_map(options.build(modcli.RouteConfig, values))
+    result = modcli.route_map(modcli.RouteConfig(**values))
     (modcli.write_html if suffix == ".html" else modcli.write_png)(result, out)
     if json_output:
         print_json({"out": out, **dataclasses.asdict(result)})

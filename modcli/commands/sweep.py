@@ -5,34 +5,30 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stdout, subcommand
+from modcli.commands.config_flags import config_flags, flags_of
 from modcli.reports.console import print_json
 from modcli.sweep import grid as sweep_grid
 
 
 @subcommand
+@config_flags(lambda: flags_of(sweep_grid.SweepConfig, leave_out=("grid",)))
 def sweep(
-    ctx: typer.Context,
     grid: options.Grid,
     out: options.SweepOut = None,
-    profile: options.ProfileRuns = None,
-    device: options.Device = None,
-    dtype: options.Dtype = None,
-    dry_run: options.DryRun = None,
-    report_only: options.ReportOnly = None,
-    verbose: options.Verbose = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Train, evaluate (and profile) every budget x size x variant of a grid; resumable. Prints a summary table."""
     folder = out or str(Path("runs") / "sweeps" / grid.stem)
-    result = modcli.run_sweep(options.build(sweep_grid.SweepConfig, {**options.given(ctx), "grid": str(grid), "out": folder}))
+    result = modcli.run_sweep(sweep_grid.SweepConfig(grid=str(grid), out=folder, **flags))
     if json_output:
         print_json(dataclasses.asdict(result))
         return

@@ -4,12 +4,14 @@ tokenizer.json trained on a corpus, for runs trained from scratch."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import typer
 
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stdout, subcommand
+from modcli.commands.config_flags import config_flags, source_flags
 from modcli.reports.console import print_json
 
 app = typer.Typer(help="Tokenizers for runs trained from scratch.", no_args_is_help=True)
@@ -17,17 +19,13 @@ app = typer.Typer(help="Tokenizers for runs trained from scratch.", no_args_is_h
 
 @app.command("train")
 @subcommand
+@config_flags(lambda: source_flags("data/tokenizer_training.py", "TokenizerTrainConfig"))
 def train_tokenizer(
-    ctx: typer.Context,
-    vocab_size: options.VocabSize = None,
-    data: options.Data = None,
-    glob: options.Glob = None,
-    max_bytes: options.MaxBytes = None,
-    out: options.TokenizerOut = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Train a byte-level BPE tokenizer on the corpus' training split; use it with `modcli train --tokenizer`."""
-    result = modcli.train_tokenizer(options.build(modcli.TokenizerTrainConfig, options.given(ctx)))
+    result = modcli.train_tokenizer(modcli.TokenizerTrainConfig(**flags))
     if json_output:
         print_json(dataclasses.asdict(result))
         return

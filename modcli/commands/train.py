@@ -6,96 +6,32 @@ import dataclasses
 import shlex
 import textwrap
 from pathlib import Path
-
-import typer
+from typing import Any
 
 import modcli
 from modcli.commands import options
 from modcli.commands.common import is_main_process, stderr, stdout, subcommand
+from modcli.commands.config_flags import config_flags, run_flags
 from modcli.config import SHAPE_FIELDS, TrainConfig
 from modcli.errors import UserError
 from modcli.reports.console import human, key_value_table, print_json
 
-NOT_RUN_FLAGS = ("preset", "config", "json_output")
-"""Parameters of `train` that choose where the run config starts or how it is printed, not one of its fields."""
-
 
 @subcommand
+@config_flags(run_flags)
 def train(
-    ctx: typer.Context,
     preset: options.Preset = None,
     config: options.ConfigFile = None,
-    data: options.Data = None,
-    tokenizer: options.Tokenizer = None,
-    vocab_size: options.VocabSize = None,
-    glob: options.Glob = None,
-    capacity: options.Capacity = None,
-    route_every: options.RouteEvery = None,
-    route_offset: options.RouteOffset = None,
-    route_layers: options.RouteLayers = None,
-    router: options.Router = None,
-    router_weight: options.RouterWeight = None,
-    router_hidden: options.RouterHidden = None,
-    threshold: options.Threshold = None,
-    capacity_max: options.CapacityMax = None,
-    route_part: options.RoutePart = None,
-    predictor_hidden: options.PredictorHidden = None,
-    keep_first: options.KeepFirst = None,
-    experts: options.Experts = None,
-    expert_top_k: options.ExpertTopK = None,
-    expert_capacity_factor: options.ExpertCapacityFactor = None,
-    noop_experts: options.NoopExperts = None,
-    expert_weight: options.ExpertWeight = None,
-    expert_routing: options.ExpertRouting = None,
-    hash_table: options.HashTable = None,
-    attention_score: options.AttentionScore = None,
-    arch: options.Arch = None,
-    layer_dropout_max: options.LayerDropoutMax = None,
-    exit_loss_scale: options.ExitLossScale = None,
-    recursions: options.Recursions = None,
-    recursion_capacities: options.RecursionCapacities = None,
-    recursion_update: options.RecursionUpdate = None,
-    recursion_alpha: options.RecursionAlpha = None,
-    dropout: options.Dropout = None,
     dense: options.Dense = None,
-    d_model: options.DModel = None,
-    n_layers: options.NLayers = None,
-    n_heads: options.NHeads = None,
-    seq_len: options.SeqLen = None,
-    batch_size: options.BatchSize = None,
-    grad_accum: options.GradAccum = None,
-    lr: options.Lr = None,
-    warmup: options.Warmup = None,
-    max_steps: options.MaxSteps = None,
-    flops_budget: options.FlopsBudget = None,
-    router_aux_weight: options.RouterAuxWeight = None,
-    expert_aux_weight: options.ExpertAuxWeight = None,
-    expert_aux_sum: options.ExpertAuxSum = None,
-    expert_capacity_warmup: options.ExpertCapacityWarmup = None,
-    router_lr_scale: options.RouterLrScale = None,
-    expert_gate_lr_scale: options.ExpertGateLrScale = None,
-    capacity_warmup: options.CapacityWarmup = None,
-    eval_every: options.EvalEvery = None,
-    eval_batches: options.EvalBatches = None,
-    log_every: options.LogEvery = None,
-    seed: options.Seed = None,
-    device: options.Device = None,
-    dtype: options.Dtype = None,
-    compile: options.Compile = None,
-    out: options.TrainOut = None,
-    resume: options.Resume = None,
-    init_from: options.InitFrom = None,
-    trainable: options.Trainable = None,
-    calibrate: options.Calibrate = None,
-    objective: options.Objective = None,
-    keep: options.Keep = None,
-    parallel: options.Parallel = None,
     json_output: options.Json = False,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """Train an MoD decoder (or its dense twin) on text; prints a summary table. Values come from --preset (default
-    tiny), then --config, then the flags given."""
-    flags = {name: value for name, value in options.given(ctx).items() if name not in NOT_RUN_FLAGS}
+    tiny), then --config, then the flags given (one per field of the model, data and training configs, the model
+    family's and router's own options included)."""
+    flags = {**(flags or {}), **({"dense": dense} if dense is not None else {})}
     base = preset or "tiny"
+    out, resume, init_from = flags.get("out"), flags.get("resume"), flags.get("init_from")
     if resume and preset is None and config is None:
         # Resume with the run's own configuration; flags given now still apply (and are checked).
         run_dir = Path(out or TrainConfig.out)

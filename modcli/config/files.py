@@ -4,11 +4,10 @@
 
 from __future__ import annotations
 
-import functools
 import tomllib
+import types
 import typing
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ def check_config_values(raw: Any, where: str | None = None) -> None:
 
 def _section_of(key: str) -> str:
     for section, cls in SECTIONS.items():
-        if key in {f.name for f in fields(cls)}:
+        if key in field_types(cls):
             return section
     raise UserError(f"unknown option {key!r} (flags and config keys use the same names)")
 
@@ -46,18 +45,42 @@ def _section_of(key: str) -> str:
 FLAG_ONLY_KEYS: dict[str, Any] = {"dense": bool, "preset": str}
 """Keys of a --config file that set no config field themselves: --dense (routing off) and --preset (the values the
 file and the flags start from); a sweep grid's tables take dense."""
-LIST_FLAGS = ("route_layers", "recursion_capacities")
-"""List fields that a flag (and so a config file) may also spell as comma-separated text, "1,3,5"."""
 
 
-@functools.cache
-def flag_types() -> dict[str, Any]:
-    """Every key a --config file or a sweep grid's table may hold, and its type: the fields of the model, data and
-    train configs, and FLAG_ONLY_KEYS."""
+def list_item_type(hint: Any) -> type | None:
+    """The item type of a list field (`list[int] | None` -> int), None for any other type."""
+    arms = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for arm in arms:
+        if typing.get_origin(arm) is list:
+            return (typing.get_args(arm) or (str,))[0]
+    return None
+
+
+def list_flags() -> dict[str, type]:
+    """Flat keys of list fields, which a flag (and so a config file) may also spell as comma-separated text,
+    "1,3,5": name -> item type."""
     hints = {name: hint for cls in SECTIONS.values() for name, hint in field_types(cls).items()}
-    for name in LIST_FLAGS:
+    return {name: item for name, hint in hints.items() if (item := list_item_type(hint)) is not None}
+
+
+def flag_types() -> dict[str, Any]:
+    """Every key a --config file or a sweep grid's table may hold, and its type: the fields of the model (its
+    variants' options flat among them), data and train configs, and FLAG_ONLY_KEYS. Read on each call: a variant
+    registered later brings its options."""
+    hints = {name: hint for cls in SECTIONS.values() for name, hint in field_types(cls).items()}
+    for name in list_flags():
         hints[name] = typing.Union[hints[name], str]  # noqa: UP007 (a runtime union of a generic alias)
     return {**hints, **FLAG_ONLY_KEYS}
+
+
+def parse_list_flag(name: str, text: str, item: type) -> list[Any]:
+    """A list flag's comma-separated text ("1,3,5") as a list of its items: one line naming the flag if one is
+    not of the item type."""
+    try:
+        return [item(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        kind = {int: "integers", float: "numbers"}.get(item, "values")
+        raise UserError(f"--{name.replace('_', '-')} must be comma-separated {kind}, got {text!r}") from None
 
 
 def check_flag_types(values: dict[str, Any], label: Callable[[str], str], alternatives: bool = False) -> None:
@@ -125,19 +148,9 @@ def resolve_run_config(
         raise UserError(f"--dense must be true or false, got {dense!r}")
     if dense:
         merged["route_every"], merged["route_layers"] = 0, None
-    if isinstance(merged.get("route_layers"), str):  # the flag: "1,3,5"
-        try:
-            merged["route_layers"] = [int(part) for part in merged["route_layers"].split(",") if part.strip()]
-        except ValueError:
-            raise UserError(f"--route-layers must be comma-separated block indices, got {merged['route_layers']!r}"
-                            ) from None
-    if isinstance(merged.get("recursion_capacities"), str):  # the flag: "1,0.5,0.25"
-        try:
-            merged["recursion_capacities"] = [float(part) for part in merged["recursion_capacities"].split(",")
-                                              if part.strip()]
-        except ValueError:
-            raise UserError("--recursion-capacities must be comma-separated numbers, got "
-                            f"{merged['recursion_capacities']!r}") from None
+    for name, item in list_flags().items():
+        if isinstance(merged.get(name), str):  # the flag: "1,3,5"
+            merged[name] = parse_list_flag(name, merged[name], item)
     merged.pop("preset", None)
     sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}}
     for key, value in merged.items():

@@ -1,18 +1,21 @@
-"""ModelConfig: the shape of a decoder (widths, depth, heads, RoPE, MLP) and its checks, with every routing, expert
-and family option as a field too; those options' checks and the layout they give (which blocks are routed, k, the
-dense twin) are in its base class RoutingLayout (modcli.config.routing).
+"""ModelConfig: the shape of a decoder (widths, depth, heads, RoPE, MLP) and its checks, the routing and expert
+options every family shares, and the chosen family's and router kind's own options as typed members
+(`family_options`, `router_options`: dataclasses their specs declare). The routing checks and the layout they give
+(which blocks are routed, k, the dense twin) are in its base class RoutingLayout (modcli.config.routing).
 
-The fields stay in one class, in this order: config.json is written from them and read back by their names (old run
-folders included), and modcli/commands/options.py reads each field's docstring from this file as its flag's help.
+config.json holds the fields flat, in this order, the variant options among them (`flat`, `ModelConfig.of`), and
+the command line reads each field's docstring as its flag's help.
 """
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from modcli.config.routing import RoutingLayout
-from modcli.config.validation import require
+from modcli.config.validation import declared_field_types, require
+from modcli.config.variant_options import MEMBERS, flatten, split_flat, variant_field_types
 
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
                 "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts", "expert_routing",
@@ -63,10 +66,6 @@ class ModelConfig(RoutingLayout):
     1 with the sigmoid's gradient: a conversion --init-from a dense model starts as that model; its default there)."""
     router_hidden: int = 0
     """Hidden width of an MLP router (0: one linear layer), for routers with parameters."""
-    threshold: float | None = None
-    """threshold router: a token is processed when sigmoid(router logit) > threshold (default 0.5)."""
-    capacity_max: float | None = None
-    """threshold router: most tokens per sequence in the static-shape mode (export, compile); default 2 x capacity."""
     route_part: str = "block"
     """What a routed block skips for unselected tokens: block (attention and MLP), attention (only attention; the
     MLP runs on every token) or mlp (only the MLP; attention, and so the KV cache, covers every token)."""
@@ -88,11 +87,6 @@ class ModelConfig(RoutingLayout):
     expert_capacity_factor: float = 1.25
     """Training only: slots per expert over the whole batch = ceil(factor x batch x tokens x top-k / (experts +
     no-op experts)); choices beyond them ride the residual. Evaluation and decoding have no limit."""
-    attention_score: str = "neutral"
-    """--router attention (A-MoD): how the attention a token received is scored, neutral (each weight against the
-    usual one at its query-key distance, standardised per position over the batch; modcli.models.decoder
-    `received_attention`) or seen-by (the sum over the queries that see the token divided by their number; runs
-    saved before this option load with it)."""
     expert_weight: str = "unit"
     """How a chosen expert's gate probability p scales its update: unit (value 1 with the gradient of log p,
     p / p.detach(): the update is not shrunk) or probability (p itself; runs saved before this option load with
@@ -115,25 +109,11 @@ class ModelConfig(RoutingLayout):
     arch: str = "mod"
     """Model family (modcli.models.families): mod (Mixture-of-Depths, dense with --dense), early-exit (LayerSkip: layer
     dropout, an exit loss at every block, exit decoding) or recursion (Mixture-of-Recursions)."""
-    layer_dropout_max: float = 0.1
-    """--arch early-exit: training-time probability of skipping the last block for a whole sequence; block l of L
-    is skipped with probability layer_dropout_max x l / (L - 1), 0 for the first."""
-    exit_loss_scale: float = 0.5
-    """--arch early-exit: weight of the early-exit loss beside the final layer's loss (weight 1): the exits of
-    blocks 0..L-2, through the shared final norm and head, weighted (l + 1) / sum(j + 1), rising with depth."""
-    recursions: int = 3
-    """--arch recursion: how many times the shared stack runs (Mixture-of-Recursions); n_layers, the unrolled depth,
-    must be 2 + recursions x the shared blocks (the first and last blocks are unique)."""
-    recursion_capacities: list[float] | None = None
-    """--arch recursion: share of the tokens each recursion step keeps (non-increasing, in (0, 1]); None =
-    (N - r) / N for step r of N (1, 0.67, 0.33 for N = 3)."""
-    recursion_update: str = "published"
-    """--arch recursion: how a recursion step writes its selected tokens back: published (the MoR authors' code:
-    x + alpha x sigmoid(l) x stack(x), a scatter-add of the stack's output) or delta (x + sigmoid(l) x (stack(x) -
-    x), the MoD block update with the stack as f; runs saved before this option load with it)."""
-    recursion_alpha: float = 0.1
-    """--arch recursion with --recursion-update published: alpha, the scale of the scatter-added stack output (the
-    authors' 0.1)."""
+    family_options: Any = None
+    """The family's own options (an instance of `family.options`, e.g. EarlyExitOptions; None here = its defaults,
+    and None for a family without options). config.json and the flags spell them flat (modcli.config.variant_options)."""
+    router_options: Any = None
+    """The router kind's own options (an instance of its spec's `options`, e.g. ThresholdOptions), as family_options."""
 
     def __post_init__(self) -> None:
         require(self.vocab_size >= 2, f"--vocab-size must be >= 2, got {self.vocab_size}")
@@ -153,8 +133,27 @@ class ModelConfig(RoutingLayout):
         require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
         self._check_arch()
         self._check_routing()
+        self.family.validate(self)
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
         require(self.mlp_hidden >= 0, f"--mlp-hidden must be >= 0, got {self.mlp_hidden}")
+
+    @classmethod
+    def of(cls, **values: Any) -> ModelConfig:
+        """A ModelConfig from flat values, as config.json, --config files and the flags name them: each variant
+        option (--threshold, --recursions, ...) goes to the member of the variant that owns it."""
+        return cls(**split_flat(values, {"arch": cls.arch, "router": cls.router}))
+
+    @classmethod
+    def flat_field_types(cls) -> dict[str, Any]:
+        """The type of every flat key: the fields but the two members, and every registered variant's options."""
+        own = {name: hint for name, hint in declared_field_types(cls).items() if name not in MEMBERS}
+        return {**own, **variant_field_types()}
+
+    def flat(self) -> dict[str, Any]:
+        """The fields by name with the variant options flat among them (config.json's model section)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in MEMBERS}
+        values = {name: copy.deepcopy(value) for name, value in values.items()}
+        return {**values, **flatten(self.family_options), **flatten(self.router_options)}
 
     @property
     def head_dim(self) -> int:

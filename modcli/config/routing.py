@@ -2,9 +2,9 @@
 base class of ModelConfig that validates the family's (--arch), the routers' and the experts' options and answers
 which blocks are routed, how many tokens a routed block keeps and what the dense twin is.
 
-The fields themselves stay declared in ModelConfig (modcli.config.model), in their saved order; the methods here
-read them from `self`. When each family and router comes to own its options (issue 51, item 1), their checks
-move from here to their specs.
+The fields themselves are declared in ModelConfig (modcli.config.model); the methods here read them from `self`.
+A family's and a router kind's own options are theirs (`Family.options`, `RouterSpec.options`), checked by their
+dataclasses; here they are built into ModelConfig's members for the chosen variants.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import Self
 
 from modcli.config.validation import require
+from modcli.config.variant_options import build_options
 from modcli.models.families import DEFAULT_FAMILY, FAMILIES, Family
 from modcli.models.routing.registry import ROUTER_KINDS
 
@@ -22,14 +23,14 @@ ROUTER_WEIGHTS = ("sigmoid", "identity", "none", "unit")
 ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
-                      "threshold", "capacity_max", "route_part", "predictor_hidden", "keep_first")
-"""ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers."""
+                      "route_part", "predictor_hidden", "keep_first")
+"""ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers (the router
+kinds' own options with them: `router_options` stays the default router's defaults)."""
 EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts",
                  "expert_routing", "hash_table")
 EXPERT_WEIGHTS = ("unit", "probability")
 EXPERT_ROUTINGS = ("learned", "hash")
 HASH_TABLES = ("random", "balanced")
-ATTENTION_SCORES = ("neutral", "seen-by")
 
 
 class RoutingLayout:
@@ -60,8 +61,6 @@ class RoutingLayout:
         require(self.noop_experts >= 0, f"--noop-experts must be >= 0, got {self.noop_experts}")
         require(self.expert_capacity_factor > 0,
                 f"--expert-capacity-factor must be positive, got {self.expert_capacity_factor}")
-        require(self.attention_score in ATTENTION_SCORES,
-                f"--attention-score must be one of {', '.join(ATTENTION_SCORES)}, got {self.attention_score!r}")
         require(self.expert_weight in EXPERT_WEIGHTS,
                 f"--expert-weight must be one of {', '.join(EXPERT_WEIGHTS)}, got {self.expert_weight!r}")
         router = ROUTER_KINDS[self.router]
@@ -72,16 +71,9 @@ class RoutingLayout:
         require(1 <= self.expert_top_k <= max(1, self.experts + self.noop_experts),
                 f"--expert-top-k must be in 1..{max(1, self.experts + self.noop_experts)} (the experts), "
                 f"got {self.expert_top_k}")
-        defaults = {f.name: f.default for f in fields(self)}
-        for owner in ROUTER_KINDS.values():
-            for option in owner.options:
-                require(owner is router or getattr(self, option) == defaults[option],
-                        f"--{option.replace('_', '-')} is an option of --router {owner.kind}, not of --router "
-                        f"{self.router}")
-        require(self.threshold is None or 0.0 <= self.threshold < 1.0,
-                f"--threshold must be in [0, 1), got {self.threshold}")
-        require(self.capacity_max is None or 0.0 < self.capacity_max <= 1.0,
-                f"--capacity-max must be in (0, 1], got {self.capacity_max}")
+        require(router.uses_noop_experts or self.noop_experts == 0,
+                f"--noop-experts is an option of --router integrated, not of --router {self.router}")
+        self.router_options = build_options("router_options", self.router, self.router_options)
         require(router.has_parameters or self.router_hidden == 0,
                 f"--router-hidden: the {self.router} router has no parameters")
         if router.decodes_with_predictor and self.route_every:
@@ -116,12 +108,11 @@ class RoutingLayout:
         (its default, 2, means "not given" there) and refuses the routing and expert flags it cannot honour."""
         require(self.arch in FAMILIES, f"--arch must be one of {', '.join(FAMILIES)}, got {self.arch!r}")
         spec = self.family
+        self.family_options = build_options("family_options", self.arch, self.family_options)
         defaults = {f.name: f.default for f in fields(self)}
-        for other in FAMILIES.values():
-            for option in other.options:
-                require(other is spec or option in spec.options or getattr(self, option) == defaults[option],
-                        f"--{option.replace('_', '-')} is an option of --arch {other.name}, not of --arch {self.arch}")
         if not spec.mod_routing:
+            require(not self.router_options, f"--router {self.router}'s options are Mixture-of-Depths options: "
+                                             f"--arch {self.arch} has no routed blocks")
             for name in ("route_every", *MOD_ROUTING_FIELDS):
                 ok = (getattr(self, name) == defaults[name] or (name == "route_every" and self.route_every == 0)
                       or name in spec.router_fields)
@@ -132,7 +123,6 @@ class RoutingLayout:
             for name in EXPERT_FIELDS:
                 require(getattr(self, name) == defaults[name],
                         f"--{name.replace('_', '-')}: --arch {self.arch} has dense MLPs (no experts)")
-        spec.validate(self)
 
     @property
     def family(self) -> Family:
@@ -205,10 +195,11 @@ class RoutingLayout:
         (`train --dense --experts 4` is MoE alone). Another family's twin is the plain MoD decoder without routing
         (early exit: the same blocks without layer dropout, exit loss or exit decoding)."""
         defaults = {f.name: f.default for f in fields(self)}
-        router = self.router if ROUTER_KINDS[self.router].selects_tokens else defaults["router"]
-        family = {option: defaults[option] for spec in FAMILIES.values() for option in spec.options}
+        keeps_router = ROUTER_KINDS[self.router].selects_tokens
+        router = self.router if keeps_router else defaults["router"]
         return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0,
-                                   arch=DEFAULT_FAMILY, **family)
+                                   arch=DEFAULT_FAMILY, family_options=None,
+                                   router_options=self.router_options if keeps_router else None)
 
     def dense_mlp_twin(self) -> Self:
         """The fully dense model of the same shape: no routing and the dense SwiGLU MLP instead of experts."""

@@ -10,6 +10,7 @@ from typing import Any
 from modcli.config.data import DataConfig
 from modcli.config.model import ModelConfig
 from modcli.config.training import EXPERT_RECIPE, TrainConfig
+from modcli.config.variant_options import variant_fields
 from modcli.errors import UserError
 from modcli.models.families import DEFAULT_FAMILY, FAMILIES
 from modcli.models.routing.registry import ROUTER_KINDS
@@ -32,7 +33,7 @@ a new run, from flags, a preset or a TOML file, gets the field's default."""
 def _family_owns(model: dict[str, Any], option: str) -> bool:
     """The saved model section's family (--arch) has `option` among its own options."""
     family = FAMILIES.get(model.get("arch", DEFAULT_FAMILY))
-    return family is not None and option in family.options
+    return family is not None and family.options is not None and option in {f.name for f in fields(family.options)}
 
 
 def _reads_attention(model: dict[str, Any]) -> bool:
@@ -58,7 +59,9 @@ class RunConfig:
                 self.train, expert_capacity_warmup=EXPERT_RECIPE["expert_capacity_warmup"] if learned else 0)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The sections as config.json holds them: the model's variant options flat among its fields."""
+        return {"model": self.model.flat(), "data": dataclasses.asdict(self.data),
+                "train": dataclasses.asdict(self.train)}
 
     @classmethod
     def read_saved(cls, raw: dict[str, Any]) -> RunConfig:
@@ -76,7 +79,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
         return cls(
-            model=_build(ModelConfig, raw.get("model", {})),
+            model=_build_model(raw.get("model", {})),
             data=_build(DataConfig, raw.get("data", {})),
             train=_build(TrainConfig, raw.get("train", {})),
         )
@@ -84,6 +87,15 @@ class RunConfig:
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 """The sections of a run config (config.json's objects, a --config file's tables) and the dataclass of each."""
+
+
+def _build_model(values: dict[str, Any]) -> ModelConfig:
+    """The model section, flat: ModelConfig's fields and the variants' options (modcli.config.variant_options)."""
+    names = {f.name for f in fields(ModelConfig)} | set(variant_fields())
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise UserError(f"unknown ModelConfig key(s): {', '.join(unknown)}")
+    return ModelConfig.of(**values)
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:

@@ -3,7 +3,7 @@ training recipe its defaults follow."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from modcli.config.validation import require
 
@@ -52,9 +52,9 @@ class TrainConfig:
     to balance; each expert does the whole batch's slots, and the FLOP count says so); 0 = off. None = 100 with a
     learned gate (EXPERT_RECIPE: with --expert-gate-lr-scale 0.1, no step from step 10 on drops over 10%), 0 with
     hash routing (a fixed table learns nothing) or without experts; runs saved before this default load with 0."""
-    expert_aux_sum: bool = True
-    """Sum the MoE blocks' load-balancing losses (Switch); False averages them over the blocks, as runs saved before
-    this option did (their config.json loads with False)."""
+    expert_aux_sum: bool = field(default=True, metadata={"flag": "--expert-aux-sum/--expert-aux-mean"})
+    """Sum the MoE blocks' load-balancing losses (Switch); False (--expert-aux-mean) averages them over the blocks, as
+    runs saved before this option did (their config.json loads with False)."""
     router_lr_scale: float = 1.0
     """Learning rate of the router parameters (and predictor) relative to --lr."""
     expert_gate_lr_scale: float = 0.1

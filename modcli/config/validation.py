@@ -31,10 +31,16 @@ def check_field_types(cls: type, values: dict[str, Any], label: Callable[[str], 
             raise UserError(f"{label(name)} must be {describe_type(hints[name])}, got {value!r}")
 
 
-@functools.cache
 def field_types(cls: type) -> dict[str, Any]:
     """The dataclass's fields and their annotated types ({} when an annotation does not resolve here: the
-    dataclass's own checks are then all there is)."""
+    dataclass's own checks are then all there is); a class that is written flat (ModelConfig: `flat_field_types`)
+    gives its flat keys."""
+    flat = getattr(cls, "flat_field_types", None)
+    return flat() if flat is not None else declared_field_types(cls)
+
+
+@functools.cache
+def declared_field_types(cls: type) -> dict[str, Any]:
     try:
         hints = typing.get_type_hints(cls)
     except Exception:

@@ -15,6 +15,7 @@ from torch import Tensor
 from modcli.checkpoint.store import load_model_from
 from modcli.config import require
 from modcli.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from modcli.decode.greedy import greedy_decode
 from modcli.decode.static import StaticDecoder
 from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES, autocast, resolve_device
@@ -31,7 +32,7 @@ class GenerateConfig:
 
     checkpoint: str
     """A run folder (its newest checkpoint) or one checkpoint folder."""
-    prompts: list[str] = field(default_factory=lambda: ["def "])
+    prompts: list[str] = field(default_factory=lambda: ["def "], metadata={"flag": "--prompt", "repeated": True})
     """One or more prompts; several are generated as one batch. A prompt longer than the model's context (seq_len
     tokens) keeps its last seq_len tokens, with a note on stderr."""
     max_new_tokens: int = 200
@@ -266,32 +267,37 @@ def _decode_steps(config: GenerateConfig, model: MoDDecoder, routing: str, cache
                   uniforms: Tensor | None, new_tokens: Tensor, logits: Tensor, streams: list[TextPieces],
                   on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device):
     """Sample and decode the new tokens after the prefill's `logits` -> (tokens per row, exit statistics, seconds)."""
-    start = time.perf_counter()
-    for step in range(config.max_new_tokens if not config.speculative else 0):
-        step_uniforms = uniforms[step] if uniforms is not None else None
-        next_tokens = sample(logits, config.temperature, config.top_k, config.top_p, step_uniforms)  # (B,)
-        new_tokens[step] = next_tokens
+
+    def choose(logits: Tensor, index: int) -> Tensor:
+        step_uniforms = uniforms[index] if uniforms is not None else None
+        return sample(logits, config.temperature, config.top_k, config.top_p, step_uniforms)  # (B,)
+
+    def emit(index: int, next_tokens: Tensor, logits: Tensor) -> None:
+        new_tokens[index] = next_tokens
         if on_bytes is not None:  # streaming needs the tokens on the host now; otherwise they move once, below
             for row, token in enumerate(next_tokens.tolist()):
                 on_bytes(row, streams[row](token))
-        if step + 1 == config.max_new_tokens:
-            break
+
+    def step(next_tokens: Tensor) -> Tensor:
         with autocast(device, config.dtype):
             if config.exit_threshold is not None:
                 logits, exit_block = model.decode_step_exit(next_tokens, cache, config.exit_threshold)
-                logits = logits.float()
                 for block in exit_block.tolist():
                     stats.exit_layers[f"block{block}"] = stats.exit_layers.get(f"block{block}", 0) + 1
-            elif static is not None:
-                logits = static.step(next_tokens).float()
-            else:
-                logits = model.decode_step(next_tokens, cache, routing).float()
-    outputs = new_tokens.T.tolist()  # (B, N)
-    if config.speculative:
+                return logits.float()
+            if static is not None:
+                return static.step(next_tokens).float()
+            return model.decode_step(next_tokens, cache, routing).float()
+
+    start = time.perf_counter()
+    if config.speculative:  # drafts and verifies from the prefill's logits: rounds of several tokens, not this loop
         on_token = None if on_bytes is None else (lambda row, token: on_bytes(row, streams[row](token)))
         with autocast(device, config.dtype):
             outputs, stats = speculative_decode(model, logits, cache, config.max_new_tokens, config.speculative,
                                                 config.draft_tokens, on_token)
+    else:
+        greedy_decode(logits, config.max_new_tokens, step, emit, choose)
+        outputs = new_tokens.T.tolist()  # (B, N)
     _sync(device)
     decode_s = time.perf_counter() - start
     return outputs, stats, decode_s

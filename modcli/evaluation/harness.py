@@ -40,11 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from modcli.checkpoint.store import load_model_from
 from modcli.config import require
 from modcli.data.tokenizer import JsonTokenizer, Tokenizer, load_tokenizer
 from modcli.decode.generation import prefill
+from modcli.decode.greedy import greedy_decode
 from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES, autocast, resolve_device
 from modcli.models.cache import DecoderCache
@@ -66,7 +68,8 @@ class HarnessConfig:
     checkpoint: str
     """A run folder (its newest checkpoint) or one checkpoint folder."""
     tasks: list[str] = field(default_factory=list)
-    """lm-evaluation-harness tasks, groups or tags (arc_easy, hellaswag, piqa, winogrande, mmlu) or task YAML files."""
+    """lm-evaluation-harness tasks, groups or tags (arc_easy, hellaswag, piqa, winogrande, mmlu) or task YAML files,
+    run instead of the perplexity evaluation (needs pip install 'modcli[eval]')."""
     include_path: str | None = None
     """A folder of task YAML files (and their data) to find --tasks in, before lm-eval's own tasks."""
     num_fewshot: int | None = None
@@ -175,24 +178,28 @@ def generate_greedy(model: MoDDecoder, routing: str, prompts: list[list[int]], m
                     device: torch.device, dtype: str, finished: Callable[[list[int]], bool] | None = None,
                     linears: PackedLinears | None = None) -> list[list[int]]:
     """Greedy decoding with the KV cache for a batch of prompts (right-padded, one causal prefill, then one token a
-    step: `modcli generate --temperature 0`), -> each row's new tokens. `finished(new tokens)` (optional) says a row
-    is done (its text holds a stop string); decoding ends when every row is, or after `max_new_tokens`. `linears`:
-    the model's packed nn.Linear forward, for the prefill and (where B-row products pay) the decode steps."""
+    step in `modcli generate`'s loop, modcli.decode.greedy: `--temperature 0`'s tokens), -> each row's new tokens.
+    `finished(new tokens)` (optional) says a row is done (its text holds a stop string); decoding ends when every row
+    is, or after `max_new_tokens`. `linears`: the model's packed nn.Linear forward, for the prefill and (where B-row
+    products pay) the decode steps."""
     linears = linears if linears is not None else PackedLinears(model, enabled=False)
     cache = DecoderCache.allocate(model.config, len(prompts), max(map(len, prompts)) + max_new_tokens, device,
                                   TORCH_DTYPES[dtype])
     with linears:
         logits = prefill(model, prompts, cache, routing, device, dtype)  # (B, V)
     new_tokens: list[list[int]] = [[] for _ in prompts]
+
+    def emit(index: int, next_tokens: Tensor, logits: Tensor) -> bool:
+        for row, token in enumerate(next_tokens.tolist()):
+            new_tokens[row].append(token)
+        return finished is not None and all(map(finished, new_tokens))
+
+    def step(next_tokens: Tensor) -> Tensor:
+        with autocast(device, dtype):
+            return model.decode_step(next_tokens, cache, routing).float()
+
     with linears.up_to(len(prompts)):
-        for step in range(max_new_tokens):
-            next_tokens = logits.argmax(dim=-1)  # (B,)
-            for row, token in enumerate(next_tokens.tolist()):
-                new_tokens[row].append(token)
-            if step + 1 == max_new_tokens or (finished is not None and all(map(finished, new_tokens))):
-                break
-            with autocast(device, dtype):
-                logits = model.decode_step(next_tokens, cache, routing).float()
+        greedy_decode(logits, max_new_tokens, step, emit)
     return new_tokens
 
 

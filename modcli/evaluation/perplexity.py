@@ -35,8 +35,9 @@ class EvalConfig:
     """Evaluate on this corpus' validation split instead of the one the model was trained on."""
     glob: str = "**/*"
     """File pattern when --data is a folder."""
-    routing: list[str] = field(default_factory=list)
-    """Routing modes to evaluate; empty = every mode of the model's router (non-causal ones as a reference)."""
+    routing: list[str] = field(default_factory=list, metadata={"repeated": True})
+    """Routing modes to evaluate (repeat the flag); empty = every mode of the model's router (non-causal ones as a
+    reference). With --tasks: the one causal mode to run them under (default: the router's first)."""
     batches: int = 16
     """Validation batches."""
     batch_size: int = 8

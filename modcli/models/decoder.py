@@ -21,7 +21,7 @@ from modcli.models.cache import DecoderCache, LayerKVCache
 from modcli.models.moe import ExpertStats, MoEMLP
 from modcli.models.routing.base import Router, RouterCapabilities, RoutingRecord
 from modcli.models.routing.block_rule import keep_first_decisions, keep_first_scores, route_part
-from modcli.models.routing.registry import ROUTER_KINDS, router_class
+from modcli.models.routing.registry import ROUTER_KINDS, AttentionOptions, router_class
 from modcli.models.routing.selection import Selection, gather_tokens, residual_update, scatter_tokens, select_causal
 
 
@@ -134,7 +134,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, sum(self.sizes), bias=config.qkv_bias)
         self.proj = nn.Linear(self.sizes[0], config.d_model, bias=False)
         self.dropout = config.dropout
-        self.attention_score = config.attention_score
+        scoring = config.router_options  # A-MoD's --attention-score, when the model's router reads attention
+        self.attention_score = scoring.attention_score if isinstance(scoring, AttentionOptions) else None
 
     def _heads(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, n, hd) and k, v (B, Hkv, n, hd), RoPE applied to q and k."""

@@ -85,7 +85,7 @@ class EarlyExitDecoder(MoDDecoder):
         cos, sin = config_rope(self.config, torch.arange(seq_len, device=tokens.device))  # (T, hd/2)
         if cache is not None and cache_rows is None:
             cache_rows = torch.arange(batch, device=tokens.device)
-        want_exits = return_aux and self.training and self.config.exit_loss_scale > 0
+        want_exits = return_aux and self.training and self.config.family_options.exit_loss_scale > 0
         x = self.embed(tokens)  # (B, T, D)
         exits = []
         for layer, block in enumerate(self.blocks):

@@ -111,7 +111,7 @@ class RecursionDecoder(MoDDecoder):
         self.first = Block(plain, 0)
         self.shared = nn.ModuleList(Block(plain, 1 + j) for j in range(RECURSION.shared_blocks(config)))
         self.last = Block(plain, config.n_layers - 1)
-        self.routers = nn.ModuleList(RecursionRouter(plain, step) for step in range(config.recursions))
+        self.routers = nn.ModuleList(RecursionRouter(plain, step) for step in range(config.family_options.recursions))
         self._add_head_and_initialise((self.first, *self.shared, self.last))
 
     @property
@@ -220,8 +220,8 @@ class RecursionDecoder(MoDDecoder):
         D) and their router logits (..., k): x + alpha w stack(x) (`published`) or x + w (stack(x) - x)
         (`delta`), through the one routed-update function."""
         weight = router.weight(logits).unsqueeze(-1)  # (..., k, 1)
-        if self.config.recursion_update == "published":
-            return residual_update(x_selected, stacked, self.config.recursion_alpha * weight, keep)
+        if self.config.family_options.recursion_update == "published":
+            return residual_update(x_selected, stacked, self.config.family_options.recursion_alpha * weight, keep)
         return residual_update(x_selected, stacked - x_selected, weight, keep)
 
     @torch.no_grad()

@@ -57,7 +57,7 @@ class ProfileConfig:
     """Seed of the weights of freshly initialised models and of the token inputs."""
     plot: str | None = None
     """Write a PNG of latency and FLOPs against sequence length for both models (needs matplotlib)."""
-    onnx: list[str] = field(default_factory=list)
+    onnx: list[str] = field(default_factory=list, metadata={"repeated": True})
     """Exported bundles (`modcli export`) to time through onnxruntime at the same shapes (e.g. MoD and dense)."""
 
     def __post_init__(self) -> None:

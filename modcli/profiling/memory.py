@@ -7,7 +7,6 @@ is `MEMORY_METHOD`, which the result carries.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import json
 import os
@@ -59,7 +58,7 @@ def measure_memory(config: ProfileConfig, models: dict[str, MoDDecoder], weights
     jobs = []
     for name, m in models.items():
         for measurement in config.measure:
-            spec = {"model": dataclasses.asdict(m.config), "weights": weights[name], "measurement": measurement,
+            spec = {"model": m.config.flat(), "weights": weights[name], "measurement": measurement,
                     "batch_size": config.batch_size, "seq_len": seq_len, "seed": config.seed,
                     "decode_tokens": config.decode_tokens, "routing": config.routing, "device": str(device),
                     "dtype": config.dtype, "threads": torch.get_num_threads(),
@@ -94,7 +93,7 @@ def memory_child() -> None:
     spec = json.loads(sys.stdin.read())
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
-    model_config = ModelConfig(**spec["model"])
+    model_config = ModelConfig.of(**spec["model"])
     model = build_model(model_config)
     load_model(model, spec["weights"])
     model = model.to(device).eval()

@@ -10,8 +10,6 @@ block by block in causal routing, on calibration tokens drawn apart from the tim
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from modcli.checkpoint.store import load_model_from
@@ -74,7 +72,7 @@ def model_info(model: MoDDecoder, source: str, calibrated: bool) -> ModelInfo:
     return ModelInfo(label=mc.kind, source=source, parameters=model.num_parameters(),
                      active_parameters=model.active_parameters(), dense=mc.dense,
                      routed_layers=mc.routed_layers(), capacity=mc.capacity, routers_calibrated=calibrated,
-                     config=dataclasses.asdict(mc))
+                     config=mc.flat())
 
 
 @torch.no_grad()

@@ -17,13 +17,11 @@ from typing import Any
 from filelock import FileLock
 
 from modcli.config import (
-    DataConfig,
-    ModelConfig,
     RunConfig,
-    TrainConfig,
     check_field_types,
     check_flag_types,
     describe_type,
+    flag_types,
     require,
     value_fits,
 )
@@ -35,7 +33,6 @@ RESTRICTIONS = ("budgets", "sizes")
 runs at, a subset of the grid's; absent, it runs at all of them."""
 SWEEP_SETS = ("out", "resume", "flops_budget", "max_steps", "init_from")
 """Flags the sweep sets per point (the run folder and the budget); a grid may not set them."""
-FLAG_KEYS = frozenset({f.name for cls in (ModelConfig, DataConfig, TrainConfig) for f in fields(cls)} | {"dense"})
 IGNORED_WHEN_COMPARING = ("out", "resume", "device", "log_every", "keep")
 """Train fields that do not change what a run computes: a run folder made with other values is still this point."""
 EXPERT_TRAIN_FIELDS = ("expert_aux_weight", "expert_capacity_warmup", "expert_aux_sum", "expert_gate_lr_scale")
@@ -248,7 +245,7 @@ def _flags(table: Any, where: str, alternatives: bool = False) -> dict[str, Any]
     for key in flags:
         if key in SWEEP_SETS:
             raise UserError(f"{where}: {key!r} is set by the sweep per point (budgets and run folders); remove it")
-        if key not in FLAG_KEYS:
+        if key not in flag_types() or key == "preset":  # a run's fields (a variant's options among them), dense
             raise UserError(f"{where}: unknown key {key!r} (keys are the flags of `modcli train`, e.g. d_model, "
                             "router, capacity, lr)")
     check_flag_types(flags, lambda name: f"{where}: {name}", alternatives)

@@ -132,7 +132,7 @@ def plan(grid: Grid, out: Path, device: str | None = None, dtype: str | None = N
                 raise UserError(f"{where}: the budget {budget:g} pays for no training step (one step of "
                                 f"{config.train.batch_size * config.train.grad_accum} x {config.model.seq_len} tokens "
                                 f"costs {per_step:.3g} FLOPs)")
-            shape = json.dumps(dataclasses.asdict(config.model), sort_keys=True)
+            shape = json.dumps(config.model.flat(), sort_keys=True)
             if shape not in parameters:
                 parameters[shape] = build_model(config.model).num_parameters()
             points.append(GridPoint(name, budget, size_text, variant_text, config, math.ceil(budget / per_step),

@@ -131,7 +131,7 @@ def _experts(aux: ForwardAux, targets: Tensor, config: ModelConfig, train: Train
 def _exits(aux: ForwardAux, targets: Tensor, config: ModelConfig, train: TrainConfig):
     if aux.exit_logits is None:
         return [], {}
-    loss, per_exit = exit_losses(aux, targets, config.exit_loss_scale)
+    loss, per_exit = exit_losses(aux, targets, config.family_options.exit_loss_scale)
 
     def read() -> dict[str, float]:
         return {f"block{layer}": round(value, 4) for layer, value in enumerate(per_exit.detach().tolist())}

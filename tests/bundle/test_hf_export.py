@@ -265,6 +265,80 @@ print(json.dumps(logits[0].tolist()))
         torch.testing.assert_close(got, model(tokens, "router")[0], atol=ATOL, rtol=0)
 
 
+def remote_modeling(monkeypatch):
+    """The folder's modeling_modcli.py, imported as the package transformers makes of a folder."""
+    import importlib
+    import types
+
+    from modcli.bundle.hf.convert import REMOTE
+
+    package = types.ModuleType("modcli_remote_under_test")
+    package.__path__ = [str(REMOTE)]
+    monkeypatch.setitem(sys.modules, package.__name__, package)
+    for name in ("configuration_modcli", "modeling_modcli"):
+        monkeypatch.delitem(sys.modules, f"{package.__name__}.{name}", raising=False)
+    return importlib.import_module(f"{package.__name__}.modeling_modcli")
+
+
+ROUTER_MODELS = {"topk": dict(), "threshold": dict(router="threshold", predictor_hidden=0, threshold=0.4),
+                 "threshold-0": dict(router="threshold", predictor_hidden=0, threshold=0.0),
+                 "random": dict(router="random", predictor_hidden=0, capacity=0.5), "attention": dict(router="attention")}
+
+
+def test_every_router_kind_is_tried_here():
+    from modcli.models.routing.registry import ROUTERS
+
+    assert {tiny_model_config(**overrides).router for overrides in ROUTER_MODELS.values()} == set(ROUTERS)
+
+
+@pytest.mark.parametrize("name", ROUTER_MODELS)
+@torch.no_grad()
+def test_each_router_exports_its_causal_rule_and_the_remote_code_decides_alike(name, monkeypatch):
+    """Every causal mode of every router kind names an exported rule (modcli.models.routing.base.ExportedRule) that
+    the remote code implements; the folder's config.json carries it, and the remote router built from that config
+    and the router's weights decides exactly as modcli's router and weighs the update alike. Full-sequence modes have
+    no exported rule."""
+    from modcli.bundle.hf.convert import convert
+
+    modeling = remote_modeling(monkeypatch)
+    model = decided_model(tiny_model_config(**ROUTER_MODELS[name]))
+    config = model.config
+    if name == "threshold-0":  # decided_model put the bias at the cut, -inf here: make the logits finite again
+        for block in model.blocks:
+            if block.router is not None:
+                block.router.score.bias.fill_(0.0)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 20, config.d_model, generator=generator)  # (B, T, D)
+    positions = torch.arange(40, 60)[None].expand(3, -1)  # (B, T) past the prompt, as when decoding
+    routers = [block.router for block in model.blocks if block.router is not None]
+    for mode in routers[0].modes():
+        if not routers[0].capabilities.is_causal(mode):
+            assert all(router.exported_rule(mode) is None for router in routers)
+            continue
+        folder_config = modeling.ModcliConfig(**convert(model, mode, None, torch.float32).config)
+        for router in routers:
+            rule = router.exported_rule(mode)
+            assert rule is not None and (folder_config.route_decision, folder_config.route_cut,
+                                         folder_config.route_score) == (rule.name, rule.cut, rule.weighted)
+            theirs = modeling.Router(folder_config, router.layer)
+            assert rule.name in theirs.rules
+            theirs.load_state_dict(router.state_dict())  # the names the folder's weights have
+            logits = router.logits(x, positions)
+            want = router.decide(x, logits, mode, positions, config.capacity)
+            their_logits = theirs.logits(x)
+            got = theirs.decide(x, their_logits, positions)
+            assert torch.equal(got, want), (mode, router.layer)
+            if rule.name == "score" and rule.cut is None:
+                assert bool(want.all())  # p = 0: every token passes
+            else:
+                assert 0 < int(want.sum()) < want.numel()  # some tokens processed, some skipped
+            if rule.weighted:
+                torch.testing.assert_close(theirs.weight_function(their_logits), router.weight(logits), atol=0,
+                                           rtol=0)
+            else:
+                assert their_logits is None and torch.equal(router.weight(logits), torch.ones_like(logits))
+
+
 def test_the_model_card_names_the_fields_that_matter(exported):
     _, folder = exported("topk-router")
     card = (folder / "README.md").read_text()
@@ -365,6 +439,18 @@ def test_bad_input_is_one_line_and_exit_2(exported, tmp_path):
     assert not (tmp_path / "y").exists()
 
 
+def test_a_causal_mode_its_router_cannot_export_is_refused_in_one_line(exported, tmp_path, monkeypatch):
+    from modcli.models.routing.topk import TopKRouter
+
+    run, _ = exported("topk-router")
+    exported_rule = TopKRouter.exported_rule
+    monkeypatch.setattr(TopKRouter, "exported_rule",
+                        lambda self, mode: None if mode == "predictor" else exported_rule(self, mode))
+    one_red_line(invoke(str(run), "--hf", "--routing", "predictor", "--out", str(tmp_path / "hf")),
+                 "--routing predictor", "Hugging Face", "router")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_force_replaces_an_earlier_export_and_json_reports_it(exported, tmp_path):
     run, _ = exported("topk-router")
     out = tmp_path / "hf"
@@ -390,7 +476,7 @@ def test_without_transformers_the_folder_is_written_unchecked_and_says_so(export
 
 def test_an_unsupported_family_is_refused_with_the_reason(tmp_path):
     torch.manual_seed(0)
-    config = ModelConfig(d_model=32, n_layers=5, n_heads=4, seq_len=32, arch="recursion", recursions=3,
+    config = ModelConfig.of(d_model=32, n_layers=5, n_heads=4, seq_len=32, arch="recursion", recursions=3,
                          predictor_hidden=16)
     run = save_run(tmp_path / "run", config.family.model_class()(config))
     one_red_line(invoke(str(run), "--hf", "--out", str(tmp_path / "hf")), "recursion", "Hugging Face")

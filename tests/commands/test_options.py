@@ -1,16 +1,16 @@
-"""The command line's flags are declared once (modcli/commands/options.py): a flag has one default and one help text
-in every command that takes it, commands gather their flags by name (never `locals()`), and the CLI layer imports
-no torch until a command runs."""
+"""The command line's flags are declared once: generated from the config field each sets (its docstring the help,
+modcli/commands/config_flags.py) or, for the few no field holds, in modcli/commands/options.py; commands receive
+them by name (never `locals()` or ctx.params), and the CLI layer imports no torch until a command runs."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Annotated
 
 import pytest
 import typer
@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 import modcli
 from modcli.cli import app
-from modcli.commands import options
+from modcli.commands import config_flags, options
 from modcli.config import ModelConfig
+from modcli.errors import UserError
 
 COMMANDS = Path(modcli.__file__).parent / "commands"
 CLI_FILES = sorted(COMMANDS.glob("*.py")) + [Path(modcli.__file__).parent / "cli.py"]
@@ -46,25 +47,34 @@ def declarations(root) -> dict[str, dict[str, tuple]]:
     return found
 
 
-def disagreements(root) -> dict[str, dict[str, tuple]]:
-    return {flag: uses for flag, uses in declarations(root).items() if len(set(uses.values())) > 1}
+def generated_flags():
+    """(command path, its ConfigFlags) of every command whose flags are generated from config fields."""
+    for path, command in leaf_commands(typer.main.get_command(app)):
+        function = inspect.unwrap(command.callback, stop=lambda f: isinstance(f, config_flags.ConfigCommand))
+        if isinstance(function, config_flags.ConfigCommand):
+            yield path, command, function.flags()
 
 
-OWN_IN_EACH_COMMAND = {"--out", "--text", "checkpoint"}
-"""What each command writes (--out) or reads (routes' and export's --text) is its own, so is its help; CHECKPOINT is
-runs/latest by default except in profile, where none means a fresh model."""
+def test_a_generated_flag_is_its_config_field_help_and_default():
+    """Each command's flag says what it does in that command: the docstring of the field it sets (so --seed, --dtype
+    and --batch-size each describe their own command), and defaults to None, "not given"."""
+    seen = set()
+    for path, command, flags in generated_flags():
+        seen.add(path)
+        params = {param.name: param for param in command.params}
+        for flag in flags:
+            param = params[flag.name]
+            assert param.default is None, (path, flag.name)
+            assert param.help.startswith(flag.help[:60].replace("[", "\\[")) or flag.help[:40] in param.help, \
+                (path, flag.name, param.help)
+    assert seen == {"modcli train", "modcli eval", "modcli generate", "modcli export", "modcli profile",
+                    "modcli import", "modcli routes", "modcli sweep", "modcli tokenizer train"}
 
 
-def test_a_flag_has_one_default_and_one_help_in_every_command():
-    root = typer.main.get_command(app)
-    assert set(disagreements(root)) == OWN_IN_EACH_COMMAND
-    shared = {flag: len(uses) for flag, uses in declarations(root).items() if len(uses) > 1}
-    # the common flags are shared where they apply, so the check above compares something
-    assert shared["--json"] == 10 and shared["--device"] >= 6 and shared["--dtype"] >= 7
-    assert shared["--seed"] >= 4 and shared["--out"] >= 7 and shared["--compile"] >= 4 and shared["--config"] == 2
-    assert shared["--capacity"] == 2 and shared["checkpoint"] >= 5
-    checkpoints = {help for command, (_, help) in declarations(root)["checkpoint"].items() if command != "modcli profile"}
-    assert len(checkpoints) == 1  # eval, generate, export, routes: one text
+def test_each_flag_is_declared_once_in_each_command():
+    for path, command in leaf_commands(typer.main.get_command(app)):
+        names = [opt for param in command.params for opt in param.opts]
+        assert len(names) == len(set(names)), (path, sorted(n for n in names if names.count(n) > 1))
 
 
 OUT_DEFAULTS = {"modcli train": "runs/latest", "modcli import": "required", "modcli export": "bundles/latest",
@@ -87,18 +97,6 @@ def test_each_commands_out_help_names_its_own_default_only():
     assert "bundles/latest" in out_line and "curves.png" not in shown and "runs/sweeps" not in shown
 
 
-def test_the_check_sees_a_flag_that_drifted():
-    drifted = typer.Typer()
-
-    @drifted.command("a")
-    def a(seed: Annotated[int, typer.Option(help="Random seed.")] = 1) -> None: ...
-
-    @drifted.command("b")
-    def b(seed: Annotated[int, typer.Option(help="Random seed.")] = 1337) -> None: ...
-
-    assert set(disagreements(typer.main.get_command(drifted))) == {"--seed"}
-
-
 def test_every_flag_has_help():
     for path, command in leaf_commands(typer.main.get_command(app)):
         for param in command.params:
@@ -118,7 +116,7 @@ def test_no_command_gathers_its_flags_with_locals():
 
 def test_only_the_options_module_declares_flags():
     for path in CLI_FILES:
-        if path.name == "options.py":
+        if path.name in ("options.py", "config_flags.py"):  # the flags no field holds; those generated from fields
             continue
         declared = [node for node in ast.walk(_tree(path)) if isinstance(node, ast.Attribute)
                     and node.attr in ("Option", "Argument") and isinstance(node.value, ast.Name)
@@ -154,12 +152,15 @@ def test_help_comes_from_the_config_field_docstrings():
     assert "Validation batches. [default: 16]" in evaluate.output  # EvalConfig.batches
     profile = runner.invoke(app, ["profile", "--help"], env={"COLUMNS": "400"})
     assert "[default: memory]" in profile.output  # ProfileConfig.memory, a switch shown by its spelling
-    assert options.field_help(options.PROFILE, "seq_lens") == "Sequence lengths to profile; default: the model's seq_len."
+    assert config_flags.source_docstring("profiling/config.py", "ProfileConfig", "seq_lens") == \
+        "Sequence lengths to profile; default: the model's seq_len."
 
 
 def test_a_field_the_config_does_not_declare_is_named():
-    with pytest.raises(KeyError, match="ModelConfig in modcli/config/model.py declares no documented field 'wingspan'"):
-        options.field_help(options.MODEL, "wingspan")
+    with pytest.raises(KeyError, match=r"ModelConfig in \S+/modcli/config/model.py declares no documented field 'wingspan'"):
+        config_flags.field_docstring(ModelConfig, "wingspan")
+    with pytest.raises(KeyError, match="EvalConfig in modcli/evaluation/perplexity.py declares no documented field"):
+        config_flags.source_docstring("evaluation/perplexity.py", "EvalConfig", "wingspan")
 
 
 def test_flags_map_onto_a_config_by_name_and_the_rest_keep_its_defaults():
@@ -167,18 +168,32 @@ def test_flags_map_onto_a_config_by_name_and_the_rest_keep_its_defaults():
     built = []
 
     @probe.command()
-    def command(ctx: typer.Context, prompts: options.Prompts = None, seed: options.Seed = None,
-                d_model: options.DModel = None) -> None:
-        built.append(options.build(ModelConfig, options.given(ctx)))
-        built.append(options.given(ctx))
+    @config_flags.config_flags(lambda: config_flags.flags_of(ModelConfig),
+                               lambda: config_flags.source_flags("decode/generation.py", "GenerateConfig"))
+    def command(json_output: options.Json = False, flags: dict | None = None) -> None:
+        built.append(flags)
 
-    assert CliRunner().invoke(probe, ["--d-model", "64", "--prompt", "a", "--prompt", "b"]).exit_code == 0
-    model, values = built
-    assert model == ModelConfig(d_model=64)  # prompts and seed are no ModelConfig fields
-    assert values == {"d_model": 64, "prompts": ["a", "b"]}  # seed not given; a repeated flag is a list
+    result = CliRunner().invoke(probe, ["--d-model", "64", "--prompt", "a", "--prompt", "b", "--qkv-bias",
+                                        "--route-layers", "1,3"])
+    assert result.exit_code == 0, result.output
+    [flags] = built
+    # the flags given, and only they: a repeated flag is a list, a comma-separated one is parsed to its items
+    assert flags == {"d_model": 64, "qkv_bias": True, "route_layers": [1, 3], "prompts": ["a", "b"]}
+    model = {name: value for name, value in flags.items() if name != "prompts"}
+    assert ModelConfig.of(**model) == ModelConfig(d_model=64, qkv_bias=True, route_layers=[1, 3])
     built.clear()
     assert CliRunner().invoke(probe, []).exit_code == 0
-    assert built == [ModelConfig(), {}]  # a repeatable flag never given is not given
+    assert built == [{}]  # a flag never given (a repeatable one included) is not given
+    result = CliRunner().invoke(probe, ["--route-layers", "1,x"])  # a command turns it into one line and exit 2
+    assert isinstance(result.exception, UserError) and "--route-layers must be comma-separated integers" in str(
+        result.exception)
+
+
+def test_a_generated_signature_follows_the_registries():
+    """The flags are built when the command line is read: a family registered afterwards brings its options."""
+    names = {flag.name for flag in config_flags.run_flags()}
+    assert {"layer_dropout_max", "recursions", "threshold", "attention_score"} <= names
+    assert "family_options" not in names and "rope_scaling" not in names  # a member, a mapping: no flags
 
 
 def test_a_seed_not_given_is_the_configs(tmp_path, corpus_file):

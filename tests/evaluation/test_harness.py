@@ -99,7 +99,7 @@ FAMILIES = {
     "attention": lambda: tiny_model_config(router="attention"), "moe": lambda: tiny_model_config(experts=4),
     "integrated MoDE": lambda: tiny_model_config(router="integrated", experts=4, noop_experts=2),
     "early exit": lambda: ModelConfig(**SHAPE, arch="early-exit"),
-    "recursion": lambda: ModelConfig(**{**SHAPE, "n_layers": 5}, arch="recursion", recursions=3),
+    "recursion": lambda: ModelConfig.of(**{**SHAPE, "n_layers": 5}, arch="recursion", recursions=3),
 }
 
 

@@ -71,8 +71,8 @@ def test_runs_saved_before_the_option_keep_the_seen_by_score():
 
     saved = RunConfig(model=tiny_model_config(router="attention")).to_dict()
     del saved["model"]["attention_score"]
-    assert RunConfig.read_saved(saved).model.attention_score == "seen-by"
-    assert RunConfig.from_dict(saved).model.attention_score == "neutral"
+    assert RunConfig.read_saved(saved).model.router_options.attention_score == "seen-by"
+    assert RunConfig.from_dict(saved).model.router_options.attention_score == "neutral"
     torch.manual_seed(0)
     probs = torch.rand(2, 3, 6, 6).tril()
     probs = probs / probs.sum(-1, keepdim=True)

@@ -26,7 +26,7 @@ PROMPTS = ["def f(x):", "import os", "a"]  # different lengths: a right-padded b
 def early_exit_config(**overrides) -> ModelConfig:
     values = dict(arch="early-exit", d_model=32, n_layers=4, n_heads=4, seq_len=64)
     values.update(overrides)
-    return ModelConfig(**values)
+    return ModelConfig.of(**values)
 
 
 def _model(**overrides) -> EarlyExitDecoder:

@@ -1,6 +1,7 @@
-"""The one extension point for model families: a toy family registered in this test alone (its spec, its decoder,
-its own auxiliary loss) trains, evaluates and profiles through the commands, and export refuses it with its own
-reason. Nothing in modcli names it."""
+"""The extension points for model families and router kinds: a toy family registered in this test alone (its spec,
+its decoder, an option of its own, its own auxiliary loss) trains, evaluates and profiles through the commands, and
+export refuses it with its own reason; a toy router with an option of its own trains. Each option is a flag of
+`modcli train`, reaches the model and is saved in config.json. Nothing in modcli names either."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from typer.testing import CliRunner
 
 from modcli.cli import app
 from modcli.config import ModelConfig, TrainConfig
+from modcli.errors import UserError
 from modcli.models.decoder import MoDDecoder
 from modcli.models.families import FAMILIES, Family
+from modcli.models.routing import registry
+from modcli.models.routing.registry import RouterSpec
+from modcli.models.routing.topk import TopKRouter
 from modcli.training import objective
 from modcli.training.objective import LossTerm
 
@@ -34,21 +39,62 @@ class ToyDecoder(MoDDecoder):
 
 
 @dataclass(frozen=True)
+class ToyOptions:
+    """The toy family's own options."""
+
+    logit_penalty: float = 1e-3
+    """--arch toy: weight of the toy's penalty on the mean squared logit."""
+
+    def __post_init__(self) -> None:
+        if self.logit_penalty < 0:
+            raise UserError(f"--logit-penalty must be >= 0, got {self.logit_penalty}")
+
+
+@dataclass(frozen=True)
 class Toy(Family):
     def describe(self, config) -> str:
         return f"toy ({config.n_layers} dense blocks)"
 
 
 def toy_loss(aux, targets, config, train):
-    return [LossTerm("toy_loss", aux.extras["logit_square"], 1e-3)], {}
+    return [LossTerm("toy_loss", aux.extras["logit_square"], config.family_options.logit_penalty)], {}
 
 
 @pytest.fixture
 def toy_family(monkeypatch):
-    spec = Toy("toy", f"{__name__}:ToyDecoder", "a dense decoder with a logit penalty", aux_losses=("toy",),
-               mod_routing=False, experts=False, exportable=False, export_note=REASON)
+    spec = Toy("toy", f"{__name__}:ToyDecoder", "a dense decoder with a logit penalty", options=ToyOptions,
+               aux_losses=("toy",), mod_routing=False, experts=False, exportable=False, export_note=REASON)
     monkeypatch.setitem(FAMILIES, "toy", spec)
     monkeypatch.setitem(objective.AUX_LOSSES, "toy", toy_loss)
+    return spec
+
+
+@dataclass(frozen=True)
+class ShiftOptions:
+    """The toy router's own options."""
+
+    logit_shift: float = 0.0
+    """--router shifted: a constant added to every router logit."""
+
+
+class ShiftedRouter(TopKRouter):
+    """The top-k router with its logits shifted by --logit-shift."""
+
+    kind = "shifted"
+
+    def __init__(self, config, layer: int) -> None:
+        super().__init__(config, layer)
+        self.shift = config.router_options.logit_shift
+
+    def logits(self, x, positions, previous_attention=None):
+        return super().logits(x, positions, previous_attention) + self.shift
+
+
+@pytest.fixture
+def toy_router(monkeypatch):
+    spec = RouterSpec("shifted", f"{__name__}:ShiftedRouter", "top-k of shifted logits", options=ShiftOptions)
+    monkeypatch.setitem(registry.ROUTERS, "shifted", spec)
+    monkeypatch.setitem(registry.ROUTER_KINDS, "shifted", spec)
     return spec
 
 
@@ -56,10 +102,18 @@ def test_a_toy_family_registered_here_trains_evaluates_profiles_and_export_refus
                                                                                         corpus_file):
     config = ModelConfig(arch="toy", d_model=32, n_layers=2, n_heads=4, seq_len=32)
     assert config.kind == "toy (2 dense blocks)" and config.dense and config.route_every == 0
+    assert config.family_options == ToyOptions()
     assert isinstance(toy_family.model_class()(config), ToyDecoder)
 
     runner, run = CliRunner(), tmp_path / "run"
-    result = runner.invoke(app, ["train", "--arch", "toy", "--data", str(corpus_file), "--out", str(run),
+    shown = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "400"}).output
+    assert "--logit-penalty" in shown and "weight of the toy's penalty on the mean squared logit" in shown
+    result = runner.invoke(app, ["train", "--logit-penalty", "0.5", "--out", str(tmp_path / "refused")])
+    assert result.exit_code == 2 and "--logit-penalty is an option of --arch toy, not of --arch mod" in result.stderr
+    result = runner.invoke(app, ["train", "--arch", "toy", "--logit-penalty", "-1", "--out", str(tmp_path / "bad")])
+    assert result.exit_code == 2 and "--logit-penalty must be >= 0" in result.stderr
+    result = runner.invoke(app, ["train", "--arch", "toy", "--logit-penalty", "0.002", "--data", str(corpus_file),
+                                 "--out", str(run),
                                  "--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32",
                                  "--batch-size", "2", "--max-steps", "3", "--eval-every", "3", "--eval-batches", "1",
                                  "--log-every", "1", "--device", "cpu", "--json"])
@@ -67,6 +121,8 @@ def test_a_toy_family_registered_here_trains_evaluates_profiles_and_export_refus
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [1, 2, 3]
     assert all(step["toy_loss"] > 0 for step in steps)  # the family's own loss, summed by the objective
+    saved = json.loads(next(run.glob("step-*/config.json")).read_text())["model"]
+    assert saved["arch"] == "toy" and saved["logit_penalty"] == 0.002  # flat beside the model's own fields
 
     result = runner.invoke(app, ["eval", str(run), "--batches", "1", "--batch-size", "2", "--device", "cpu",
                                  "--json"])
@@ -84,9 +140,31 @@ def test_a_toy_family_registered_here_trains_evaluates_profiles_and_export_refus
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "bundle").exists()
 
 
-def test_the_toy_loss_is_in_the_total_at_its_weight(toy_family):
-    model = ToyDecoder(ModelConfig(arch="toy", d_model=32, n_layers=2, n_heads=4, seq_len=16)).train()
+@pytest.mark.parametrize("penalty", [1e-3, 0.25])
+def test_the_toy_loss_is_in_the_total_at_its_weight(toy_family, penalty):
+    config = ModelConfig.of(arch="toy", d_model=32, n_layers=2, n_heads=4, seq_len=16, logit_penalty=penalty)
+    model = ToyDecoder(config).train()
     tokens = torch.randint(0, 256, (2, 16))
     result = objective.training_loss(model, tokens, tokens.roll(-1, 1), TrainConfig())
     [term] = result.terms
-    torch.testing.assert_close(result.total, result.lm + 1e-3 * term.value)
+    torch.testing.assert_close(result.total, result.lm + penalty * term.value)
+
+
+def test_a_toy_router_registered_here_owns_its_option(toy_router, tmp_path, corpus_file):
+    runner, run = CliRunner(), tmp_path / "run"
+    shown = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "400"}).output
+    assert "--logit-shift" in shown and "a constant added to every router logit" in shown
+    result = runner.invoke(app, ["train", "--logit-shift", "1", "--out", str(tmp_path / "refused")])
+    assert result.exit_code == 2 and "--logit-shift is an option of --router shifted, not of --router topk" in \
+        result.stderr
+    result = runner.invoke(app, ["train", "--router", "shifted", "--logit-shift", "2.5", "--data", str(corpus_file),
+                                 "--out", str(run), "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
+                                 "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--eval-every", "2",
+                                 "--eval-batches", "1", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(next(run.glob("step-*/config.json")).read_text())["model"]
+    assert saved["router"] == "shifted" and saved["logit_shift"] == 2.5
+    config = ModelConfig.of(**saved)
+    model = config.family.model_class()(config)
+    [router] = [block.router for block in model.blocks if block.router is not None]
+    assert isinstance(router, ShiftedRouter) and router.shift == 2.5  # the option reached the model

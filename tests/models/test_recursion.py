@@ -24,7 +24,7 @@ def recursion_config(**overrides) -> ModelConfig:
     values = dict(arch="recursion", d_model=32, n_layers=8, n_heads=4, seq_len=32, recursions=3,
                   predictor_hidden=16)
     values.update(overrides)
-    return ModelConfig(**values)
+    return ModelConfig.of(**values)
 
 
 def fresh(**overrides) -> RecursionDecoder:
@@ -59,7 +59,7 @@ def test_capacities_one_without_gating_equal_the_unrolled_shared_stack(update):
     cos, sin = config_rope(model.config, positions)
     x = model.embed(tokens)
     x, _ = model.first(x, cos, sin, "dense")
-    for _ in range(model.config.recursions):
+    for _ in range(model.config.family_options.recursions):
         hidden = x
         for block in model.shared:
             hidden, _ = block(hidden, cos, sin, "dense")
@@ -71,12 +71,12 @@ def test_capacities_one_without_gating_equal_the_unrolled_shared_stack(update):
 
 def test_published_update_is_the_default_with_alpha_0_1_and_old_configs_keep_delta():
     config = recursion_config()
-    assert (config.recursion_update, config.recursion_alpha) == ("published", 0.1)
+    assert (config.family_options.recursion_update, config.family_options.recursion_alpha) == ("published", 0.1)
     from modcli.config import RunConfig
     saved = RunConfig(model=config).to_dict()
     del saved["model"]["recursion_update"], saved["model"]["recursion_alpha"]  # a config.json saved before them
-    assert RunConfig.read_saved(saved).model.recursion_update == "delta"
-    assert RunConfig.from_dict(saved).model.recursion_update == "published"  # a new run from the same values
+    assert RunConfig.read_saved(saved).model.family_options.recursion_update == "delta"
+    assert RunConfig.from_dict(saved).model.family_options.recursion_update == "published"  # a new run from the same values
 
 
 def test_the_auxiliary_bce_counts_only_the_still_active_tokens():

@@ -3,8 +3,6 @@ a dense model of their shape, else the folder's own `ModcliForCausalLM` (remote 
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +12,7 @@ import torch
 from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.decoder import MoDDecoder
-from modcli.models.routing.base import Router
-from modcli.models.routing.random import HASH_SCALE
-from modcli.models.routing.selection import HASH_MODULUS
+from modcli.models.routing.base import ExportedRule, Router
 
 REMOTE = Path(__file__).resolve().parent / "remote"
 REMOTE_FILES = ("configuration_modcli.py", "modeling_modcli.py")
@@ -26,33 +22,13 @@ PLAIN = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2For
 """The plain architectures a dense model exports as (transformers' own classes, no remote code)."""
 
 
-def _score_cut(cut: float) -> Callable[[ModelConfig, Router], dict[str, Any]]:
-    return lambda config, router: {"route_decision": "score", "route_cut": cut, "route_score": True}
+def _routers(model: MoDDecoder) -> list[Router]:
+    return [block.router for block in model.blocks if block.router is not None]
 
 
-def _threshold(config: ModelConfig, router: Router) -> dict[str, Any]:
-    cut = router.logit_threshold
-    return {"route_decision": "score", "route_cut": None if cut == -math.inf else cut, "route_score": True}
-
-
-def _position_hash(config: ModelConfig, router: Router) -> dict[str, Any]:
-    # the random router's causal rule: hash(layer, position) // HASH_SCALE < capacity x (HASH_MODULUS // HASH_SCALE)
-    return {"route_decision": "position_hash", "route_cut": float(config.capacity * (HASH_MODULUS // HASH_SCALE)),
-            "route_score": False}
-
-
-def _predictor(score: bool) -> Callable[[ModelConfig, Router], dict[str, Any]]:
-    return lambda config, router: {"route_decision": "predictor", "route_cut": None, "route_score": score}
-
-
-CAUSAL_RULES: dict[tuple[str, str], Callable[[ModelConfig, Router], dict[str, Any]]] = {
-    ("topk", "router"): _score_cut(0.0),  # router logit > 0; the update weight from the router logit
-    ("topk", "predictor"): _predictor(score=True),  # predictor logit > 0; the weight still from the router logit
-    ("threshold", "router"): _threshold,  # sigmoid(logit) > p, i.e. logit > log(p / (1 - p))
-    ("random", "router"): _position_hash,  # weight 1
-    ("attention", "predictor"): _predictor(score=False),  # A-MoD decodes by its predictor alone; weight 1
-}
-"""(router kind, causal mode) -> the fields of the exported config that reproduce that rule in modeling_modcli.py."""
+def _exported_rules(model: MoDDecoder, routing: str) -> set[ExportedRule | None]:
+    """Each routed block's causal rule under `routing`, as its router exports it (None: a block that cannot)."""
+    return {router.exported_rule(routing) for router in _routers(model)}
 
 
 @dataclass
@@ -72,9 +48,17 @@ def refusal(model: MoDDecoder, routing: str) -> str | None:
     family = config.family
     if not family.exportable:
         return f"--arch {family.name} cannot be written as a Hugging Face folder: {family.export_note}"
-    if not config.dense and (config.router, routing) not in CAUSAL_RULES:
-        return (f"--routing {routing} of the {config.router} router has no Hugging Face form (supported: "
-                + ", ".join(f"{kind} {mode}" for kind, mode in CAUSAL_RULES) + ")")
+    routers = _routers(model)
+    if not routers:
+        return None
+    rules = _exported_rules(model, routing)
+    if None in rules:
+        exported = [mode for mode in routers[0].modes() if routers[0].exported_rule(mode) is not None]
+        return (f"--routing {routing} of the {config.router} router has no Hugging Face form (its modes that have one: "
+                + (", ".join(exported) or "none") + ")")
+    if len(rules) > 1:  # the folder's config.json holds one rule for every routed block
+        return (f"--routing {routing}: the {config.router} router's blocks decide by different rules; a Hugging Face "
+                "folder holds one")
     return None
 
 
@@ -141,9 +125,9 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
         "expert_weight": config.expert_weight, "expert_routing": config.expert_routing,
         "route_decision": "score", "route_cut": 0.0, "route_score": False,
     }
-    routers = [block.router for block in model.blocks if block.router is not None]
-    if routers:
-        remote.update(CAUSAL_RULES[(config.router, routing)](config, routers[0]))
+    if _routers(model):  # the routers' own rule (modcli.models.routing.base.ExportedRule), one by `refusal`
+        (rule,) = _exported_rules(model, routing)
+        remote.update(route_decision=rule.name, route_cut=rule.cut, route_score=rule.weighted)
     return Converted(remote, state, False, "ModcliForCausalLM")
 
 

@@ -39,6 +39,7 @@ from modcli.bundle.writer import Progress, check_out, export_lock, write_failed
 from modcli.checkpoint import atomic
 from modcli.checkpoint.store import load_model_from, slow_save_pause
 from modcli.decode.generation import prefill
+from modcli.decode.greedy import greedy_decode
 from modcli.errors import ReportedError
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.cache import DecoderCache
@@ -191,12 +192,9 @@ def _modcli_greedy(model: MoDDecoder, prompts: list[list[int]], steps: int, rout
     cache = DecoderCache.allocate(model.config, len(prompts), max(len(p) for p in prompts) + steps,
                                   torch.device("cpu"), next(model.parameters()).dtype)
     logits = prefill(model, prompts, cache, routing, torch.device("cpu"), "float32")
-    out = []
-    for step in range(steps):
-        tokens = logits.argmax(dim=-1)  # (B,)
-        out.append(tokens)
-        if step + 1 < steps:
-            logits = model.decode_step(tokens, cache, routing).float()
+    out: list[torch.Tensor] = []
+    greedy_decode(logits, steps, lambda tokens: model.decode_step(tokens, cache, routing).float(),
+                  lambda index, tokens, logits: out.append(tokens))
     return torch.stack(out, dim=1).tolist()
 
 

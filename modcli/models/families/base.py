@@ -23,8 +23,10 @@ class Family:
     """The decoder class, "module:Class"; it takes a ModelConfig and has MoDDecoder's interface."""
     description: str
     """The family in a few words (--help, the docs)."""
-    options: tuple[str, ...] = ()
-    """ModelConfig fields that belong to this family alone; other families refuse values other than their default."""
+    options: type | None = None
+    """The family's own options: a frozen dataclass, each field a flag (its docstring the help), its `__post_init__`
+    checking them; ModelConfig holds an instance as `family_options` (None: the family has none). Flat in
+    config.json and on the command line; given to another family they are refused (modcli.config.variant_options)."""
     aux_losses: tuple[str, ...] = ("routing", "experts")
     """The auxiliary losses its training objective adds (names in modcli.training.objective.AUX_LOSSES)."""
     mod_routing: bool = True
@@ -51,7 +53,8 @@ class Family:
     # --- configuration ------------------------------------------------------------------------------------------
 
     def validate(self, config) -> None:
-        """Check the family's own options (a UserError naming the flag); called by ModelConfig.__post_init__."""
+        """Check what the family needs of the whole model (its options against the shape: a UserError naming the
+        flag); its options' own ranges are their dataclass's. Called by ModelConfig.__post_init__."""
 
     def describe(self, config) -> str:
         """What the model is, in words: dense, MoE, MoD, staged MoDE or integrated MoDE."""

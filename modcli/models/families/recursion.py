@@ -19,38 +19,61 @@ RECURSION_UPDATES = ("published", "delta")
 
 
 @dataclass(frozen=True)
-class Recursion(Family):
-    def validate(self, config) -> None:
-        n, layers = config.recursions, config.n_layers
+class RecursionOptions:
+    """--arch recursion's own options (ModelConfig.family_options)."""
+
+    recursions: int = 3
+    """--arch recursion: how many times the shared stack runs (Mixture-of-Recursions); n_layers, the unrolled depth,
+    must be 2 + recursions x the shared blocks (the first and last blocks are unique)."""
+    recursion_capacities: list[float] | None = None
+    """--arch recursion: share of the tokens each recursion step keeps (non-increasing, in (0, 1]); None =
+    (N - r) / N for step r of N (1, 0.67, 0.33 for N = 3)."""
+    recursion_update: str = "published"
+    """--arch recursion: how a recursion step writes its selected tokens back: published (the MoR authors' code:
+    x + alpha x sigmoid(l) x stack(x), a scatter-add of the stack's output) or delta (x + sigmoid(l) x (stack(x) -
+    x), the MoD block update with the stack as f; runs saved before this option load with it)."""
+    recursion_alpha: float = 0.1
+    """--arch recursion with --recursion-update published: alpha, the scale of the scatter-added stack output (the
+    authors' 0.1)."""
+
+    def __post_init__(self) -> None:
+        n = self.recursions
         if n < 1:
             raise UserError(f"--recursions must be >= 1, got {n}")
-        if layers < 2 + n or (layers - 2) % n:
-            raise UserError(f"--n-layers ({layers}) must be 2 + --recursions ({n}) x the shared blocks (unique first "
-                            f"and last blocks), e.g. {2 + 2 * n}")
-        if config.recursion_update not in RECURSION_UPDATES:
+        if self.recursion_update not in RECURSION_UPDATES:
             raise UserError(f"--recursion-update must be one of {', '.join(RECURSION_UPDATES)}, got "
-                            f"{config.recursion_update!r}")
-        if not config.recursion_alpha > 0:
-            raise UserError(f"--recursion-alpha must be positive, got {config.recursion_alpha}")
-        caps = config.recursion_capacities
+                            f"{self.recursion_update!r}")
+        if not self.recursion_alpha > 0:
+            raise UserError(f"--recursion-alpha must be positive, got {self.recursion_alpha}")
+        caps = self.recursion_capacities
         if caps is not None:
             if len(caps) != n:
                 raise UserError(f"--recursion-capacities needs {n} values (one per recursion), got {len(caps)}")
             if not (all(0.0 < c <= 1.0 for c in caps) and all(a >= b for a, b in zip(caps, caps[1:], strict=False))):
                 raise UserError(f"--recursion-capacities must be in (0, 1] and must not increase, got {caps}")
+            object.__setattr__(self, "recursion_capacities", list(caps))
+
+
+@dataclass(frozen=True)
+class Recursion(Family):
+    def validate(self, config) -> None:
+        n, layers = config.family_options.recursions, config.n_layers
+        if layers < 2 + n or (layers - 2) % n:
+            raise UserError(f"--n-layers ({layers}) must be 2 + --recursions ({n}) x the shared blocks (unique first "
+                            f"and last blocks), e.g. {2 + 2 * n}")
 
     def describe(self, config) -> str:
         shares = ",".join(f"{c:.2g}" for c in self.capacities(config))
-        return f"MoR ({config.recursions} x {self.shared_blocks(config)} shared blocks, capacities {shares})"
+        return f"MoR ({config.family_options.recursions} x {self.shared_blocks(config)} shared blocks, capacities {shares})"
 
     def shared_blocks(self, config) -> int:
         """Blocks in the shared stack."""
-        return (config.n_layers - 2) // config.recursions
+        return (config.n_layers - 2) // config.family_options.recursions
 
     def capacities(self, config) -> list[float]:
         """Share of the tokens each step keeps: --recursion-capacities, or (N - r) / N for step r of N."""
-        n = config.recursions
-        return list(config.recursion_capacities) if config.recursion_capacities else [(n - r) / n for r in range(n)]
+        n, capacities = config.family_options.recursions, config.family_options.recursion_capacities
+        return list(capacities) if capacities else [(n - r) / n for r in range(n)]
 
     def step_of(self, config, layer: int) -> int:
         """The recursion step an unrolled layer (1 .. n_layers - 2) belongs to."""
@@ -77,7 +100,7 @@ RECURSION = Recursion(
     "recursion", "modcli.models.recursion:RecursionDecoder",
     "Mixture-of-Recursions: unique first and last blocks, a shared stack applied --recursions times, expert-choice "
     "routing keeping a shrinking share of the tokens per step, recursion-wise KV cache",
-    options=("recursions", "recursion_capacities", "recursion_update", "recursion_alpha"), aux_losses=("routing",),
+    options=RecursionOptions, aux_losses=("routing",),
     mod_routing=False, experts=False,
     exportable=False, router_fields=("router_weight", "predictor_hidden"),
     export_note="its decode step keeps one KV cache per recursion step, which a bundle's one-cache-per-block layout "

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modcli.models.routing.base import Router, RouterCapabilities, RoutingRecord
+from modcli.models.routing.base import ExportedRule, Router, RouterCapabilities, RoutingRecord
 from modcli.models.routing.selection import Selection, select_topk
 from modcli.models.routing.topk import Predictor, _labels, agreement, shift_output_bias
 
@@ -53,6 +53,10 @@ class AttentionRouter(Router):
     def boundary_distance(self, x: Tensor, logits: Tensor, mode: str, positions: Tensor, capacity: float,
                           predictor_logits: Tensor | None = None) -> Tensor:
         return (self.predictor(x) if predictor_logits is None else predictor_logits).float().abs()
+
+    def exported_rule(self, mode: str) -> ExportedRule | None:
+        # decodes by its predictor alone; its scores (attention received) need no network, the weight is 1
+        return ExportedRule("predictor") if mode == "predictor" else None
 
     def losses(self, record: RoutingRecord) -> tuple[Tensor, Tensor]:
         zero = record.router_logits.new_zeros((), dtype=torch.float32)

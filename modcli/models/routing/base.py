@@ -5,7 +5,8 @@ selection of a fixed number of tokens (`select`, the non-causal modes) or a caus
 the modes that prefill and decoding use), and the weight that multiplies the block's update (`weight`). The
 block writes `x + w * f(x)` itself (modcli.models.routing.selection.residual_update), so no router touches the
 residual stream. Training asks the router for its auxiliary losses and metrics, `modcli profile` for the
-calibration of a fresh model, and every command for its `capabilities` instead of comparing names.
+calibration of a fresh model, every command for its `capabilities` instead of comparing names, and the Hugging Face
+export for its causal rule as code outside modcli restates it (`exported_rule`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ class RouterCapabilities:
 
     def is_causal(self, mode: str) -> bool:
         return mode in self.causal_modes
+
+
+@dataclass(frozen=True)
+class ExportedRule:
+    """A causal mode's decision as code that cannot import modcli restates it: the Hugging Face folder's remote code
+    (modcli/bundle/hf/remote/modeling_modcli.py) keeps one implementation per `name` and reads `cut` and `weighted`
+    from its config.json (route_decision, route_cut, route_score)."""
+
+    name: str
+    """score: router logit > cut; predictor: predictor logit > 0; position_hash: hash(layer, position) // 256 < cut."""
+    cut: float | None = None
+    """The value the rule compares with; for score, None lets every token pass (a threshold of p = 0)."""
+    weighted: bool = False
+    """The block keeps the router's scoring network, whose logit gives the update weight (--router-weight of it);
+    False: no scoring network, weight 1."""
 
 
 @dataclass
@@ -142,6 +158,11 @@ class Router(nn.Module, metaclass=abc.ABCMeta):
         """How far each token's causal decision is from flipping (same units as the rule's score); export
         validation treats choices within --atol of the boundary as ambiguous. Exact (integer) rules: inf."""
         return torch.full_like(logits, float("inf"), dtype=torch.float32)
+
+    def exported_rule(self, mode: str) -> ExportedRule | None:
+        """The causal `mode`'s rule for exported code (the Hugging Face folder), with this router's values; None: the
+        mode has no exported form."""
+        return None
 
     def predictor_logits(self, x: Tensor) -> Tensor | None:
         return None if self.predictor is None else self.predictor(x)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from modcli.models.routing.base import Router, RouterCapabilities
+from modcli.models.routing.base import ExportedRule, Router, RouterCapabilities
 from modcli.models.routing.selection import HASH_MODULUS, Selection, position_hash, select_topk
 
 HASH_SCALE = 256
@@ -42,5 +42,14 @@ class RandomRouter(Router):
 
     def decide(self, x: Tensor, logits: Tensor, mode: str, positions: Tensor, capacity: float,
                predictor_logits: Tensor | None = None) -> Tensor:
-        threshold = float(capacity * (HASH_MODULUS // HASH_SCALE))
-        return (self._hash(positions) < threshold).expand(logits.shape)  # (B, T)
+        return (self._hash(positions) < self._hash_cut(capacity)).expand(logits.shape)  # (B, T)
+
+    @staticmethod
+    def _hash_cut(capacity: float) -> float:
+        """hash // HASH_SCALE below this for a share `capacity` of the positions."""
+        return float(capacity * (HASH_MODULUS // HASH_SCALE))
+
+    def exported_rule(self, mode: str) -> ExportedRule | None:
+        if mode != "router":
+            return None
+        return ExportedRule("position_hash", cut=self._hash_cut(self.config.capacity))  # no parameters: weight 1

@@ -12,6 +12,42 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from modcli.errors import UserError
+
+ATTENTION_SCORES = ("neutral", "seen-by")
+
+
+@dataclass(frozen=True)
+class ThresholdOptions:
+    """--router threshold's own options (ModelConfig.router_options)."""
+
+    threshold: float | None = None
+    """threshold router: a token is processed when sigmoid(router logit) > threshold (default 0.5)."""
+    capacity_max: float | None = None
+    """threshold router: most tokens per sequence in the static-shape mode (export, compile); default 2 x capacity."""
+
+    def __post_init__(self) -> None:
+        if not (self.threshold is None or 0.0 <= self.threshold < 1.0):
+            raise UserError(f"--threshold must be in [0, 1), got {self.threshold}")
+        if not (self.capacity_max is None or 0.0 < self.capacity_max <= 1.0):
+            raise UserError(f"--capacity-max must be in (0, 1], got {self.capacity_max}")
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """--router attention's (A-MoD's) own options (ModelConfig.router_options)."""
+
+    attention_score: str = "neutral"
+    """--router attention (A-MoD): how the attention a token received is scored, neutral (each weight against the
+    usual one at its query-key distance, standardised per position over the batch; modcli.models.decoder
+    `received_attention`) or seen-by (the sum over the queries that see the token divided by their number; runs
+    saved before this option load with it)."""
+
+    def __post_init__(self) -> None:
+        if self.attention_score not in ATTENTION_SCORES:
+            raise UserError(f"--attention-score must be one of {', '.join(ATTENTION_SCORES)}, got "
+                            f"{self.attention_score!r}")
+
 
 @dataclass(frozen=True)
 class RouterSpec:
@@ -19,8 +55,10 @@ class RouterSpec:
     implementation: str | None
     """"module:Class" of the Router subclass; None for a kind that selects no tokens."""
     summary: str
-    options: tuple[str, ...] = ()
-    """ModelConfig fields that only this kind reads (given to another kind, they are refused)."""
+    options: type | None = None
+    """The kind's own options: a frozen dataclass, each field a flag (its docstring the help), its `__post_init__`
+    checking them; ModelConfig holds an instance as `router_options` (None: the kind has none). Given to another
+    kind they are refused (modcli.config.variant_options)."""
     selects_tokens: bool = True
     """A MoD router: it picks the tokens its block processes (False: integrated MoDE's no-op experts)."""
     has_parameters: bool = True
@@ -41,15 +79,15 @@ ROUTERS: dict[str, RouterSpec] = {spec.kind: spec for spec in (
                has_parameters=False),
     RouterSpec("threshold", "modcli.models.routing.threshold:ThresholdRouter",
                "threshold-p (MoDification): processed when sigmoid(logit) > p, the same rule in training and decoding",
-               options=("threshold", "capacity_max")),
+               options=ThresholdOptions),
     RouterSpec("attention", "modcli.models.routing.attention:AttentionRouter",
                "A-MoD: top-k of the attention each token received in the dense block before; decodes with a predictor",
-               options=("attention_score",), has_parameters=False, reads_previous_attention=True,
+               options=AttentionOptions, has_parameters=False, reads_previous_attention=True,
                decodes_with_predictor=True),
 )}
 
 INTEGRATED = RouterSpec("integrated", None, "integrated MoDE: no-op experts in the routed blocks' MoE (no token "
-                        "selection; needs --experts and --noop-experts)", options=("noop_experts",),
+                        "selection; needs --experts and --noop-experts)",
                         selects_tokens=False, uses_noop_experts=True)
 ROUTER_KINDS: dict[str, RouterSpec] = {**ROUTERS, INTEGRATED.kind: INTEGRATED}
 """Every --router value."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modcli.models.routing.base import ROUTER_WEIGHT_FUNCTIONS, Router, RouterCapabilities, RoutingRecord, fraction
+from modcli.models.routing.base import ROUTER_WEIGHT_FUNCTIONS, ExportedRule, Router, RouterCapabilities, RoutingRecord, fraction
 from modcli.models.routing.block_rule import capacity_tokens
 from modcli.models.routing.selection import Selection, select_capped, select_topk, topk_labels
 from modcli.models.routing.topk import score_flops, score_network, shift_output_bias
@@ -48,12 +48,13 @@ class ThresholdRouter(Router):
         super().__init__(config, layer)
         self.score = score_network(config.d_model, config.router_hidden)
         self.weight_function = ROUTER_WEIGHT_FUNCTIONS[config.router_weight]
-        p = DEFAULT_THRESHOLD if config.threshold is None else config.threshold
+        p = DEFAULT_THRESHOLD if config.router_options.threshold is None else config.router_options.threshold
         self.logit_threshold = -math.inf if p == 0 else math.log(p / (1 - p))
 
     @staticmethod
     def cap_fraction(config) -> tuple[int, int]:
-        cap = config.capacity_max if config.capacity_max is not None else min(1.0, 2 * config.capacity)
+        cap = config.router_options.capacity_max
+        cap = cap if cap is not None else min(1.0, 2 * config.capacity)
         frac = Fraction(cap).limit_denominator(1_000_000)
         return frac.numerator, frac.denominator
 
@@ -73,6 +74,13 @@ class ThresholdRouter(Router):
     def boundary_distance(self, x: Tensor, logits: Tensor, mode: str, positions: Tensor, capacity: float,
                           predictor_logits: Tensor | None = None) -> Tensor:
         return (logits.float() - self.logit_threshold).abs()
+
+    def exported_rule(self, mode: str) -> ExportedRule | None:
+        if mode != "router":
+            return None
+        # sigmoid(logit) > p is logit > log(p / (1 - p)); p = 0 lets every token pass (no finite cut)
+        cut = None if self.logit_threshold == -math.inf else self.logit_threshold
+        return ExportedRule("score", cut=cut, weighted=True)
 
     def select(self, logits: Tensor, mode: str, k: int) -> Selection:
         return select_capped(logits, logits > self.logit_threshold, k)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modcli.models.routing.base import ROUTER_WEIGHT_FUNCTIONS, Router, RouterCapabilities, RoutingRecord
+from modcli.models.routing.base import ROUTER_WEIGHT_FUNCTIONS, ExportedRule, Router, RouterCapabilities, RoutingRecord
 from modcli.models.routing.selection import Selection, select_topk, topk_labels
 
 
@@ -80,6 +80,14 @@ class TopKRouter(Router):
         if mode == "router":
             return logits.float().abs()
         return (self.predictor(x) if predictor_logits is None else predictor_logits).float().abs()
+
+    def exported_rule(self, mode: str) -> ExportedRule | None:
+        # either rule keeps the scoring network: the update weight comes from the router logit in both
+        if mode == "router":
+            return ExportedRule("score", cut=0.0, weighted=True)  # router logit > 0
+        if mode == "predictor":
+            return ExportedRule("predictor", weighted=True)  # predictor logit > 0
+        return None
 
     def losses(self, record: RoutingRecord) -> tuple[Tensor, Tensor]:
         """BCE of the router logits (method 1) and of the predictor logits (method 2) against top-k's choice."""

@@ -255,7 +255,10 @@ class MoEMLP(nn.Module):
 
 
 class Router(nn.Module):
-    """A routed block's causal rule (config.route_decision) and the weight of its update."""
+    """A routed block's causal rule and the weight of its update. The rule is the one modcli's router exported
+    (modcli.models.routing.base.ExportedRule, which this file cannot import): its name (config.route_decision) picks
+    one implementation of `rules`, its cut is config.route_cut, and config.route_score says whether the block has the
+    scoring network whose logit gives the weight (else the weight is 1)."""
 
     def __init__(self, config: ModcliConfig, layer: int) -> None:
         super().__init__()
@@ -272,6 +275,9 @@ class Router(nn.Module):
                                                nn.Linear(config.predictor_hidden, 1))
         self.weight_function = ROUTER_WEIGHTS[config.router_weight]
         self.rules = {"score": self._by_score, "predictor": self._by_predictor, "position_hash": self._by_hash}
+        if self.decision not in self.rules:
+            raise ValueError(f"route_decision {self.decision!r} is not one of {', '.join(self.rules)}: this folder's "
+                             "modeling_modcli.py is older than the modcli that wrote its config.json")
 
     def logits(self, x: Tensor) -> Tensor | None:
         return None if self.score is None else self.score(x).squeeze(-1)  # (B, n)
