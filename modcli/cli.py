@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import typer
 
-from modcli.commands import evaluate, generate, import_command, plot, profile, routes, sweep, tokenizer, train
+from modcli.commands import evaluate, generate, import_command, plot, profile, routes, sensitivity, sweep, tokenizer, train
 from modcli.commands import export as export_command
 from modcli.commands.common import OneLineErrors
 
 app = typer.Typer(
-    help="Mixture-of-Depths decoders: train, evaluate, generate, profile, export, import, sweep, plot, routes.",
+    help="Mixture-of-Depths decoders: train, evaluate, generate, profile, export, import, sweep, plot, routes, "
+         "sensitivity.",
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
     cls=OneLineErrors,  # a flag that does not parse is one red line and exit code 2
 )
@@ -24,6 +25,7 @@ app.command("import")(import_command.import_command)
 app.command("sweep")(sweep.sweep)
 app.command("plot")(plot.plot)
 app.command("routes")(routes.routes)
+app.command("sensitivity")(sensitivity.sensitivity)
 app.add_typer(tokenizer.app, name="tokenizer")
 
 

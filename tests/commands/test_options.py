@@ -68,7 +68,7 @@ def test_a_generated_flag_is_its_config_field_help_and_default():
             assert param.help.startswith(flag.help[:60].replace("[", "\\[")) or flag.help[:40] in param.help, \
                 (path, flag.name, param.help)
     assert seen == {"modcli train", "modcli eval", "modcli generate", "modcli export", "modcli profile",
-                    "modcli import", "modcli routes", "modcli sweep", "modcli tokenizer train"}
+                    "modcli import", "modcli routes", "modcli sweep", "modcli tokenizer train", "modcli sensitivity"}
 
 
 def test_each_flag_is_declared_once_in_each_command():

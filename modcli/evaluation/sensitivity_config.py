@@ -1,0 +1,58 @@
+"""What `modcli sensitivity` is asked (`SensitivityConfig`). Torch-free: `modcli --help` reads its fields as flags
+(modcli.commands.config_flags.flags_of) without importing torch; the measurement is modcli.evaluation.sensitivity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from modcli.config import DEVICES, DTYPES, require
+
+PARTS = ("attention", "mlp", "block")
+"""The sublayers removed one at a time: the attention update, the MLP update, or both (the whole block)."""
+
+
+@dataclass
+class SensitivityConfig:
+    """What `modcli sensitivity` measures."""
+
+    checkpoint: str
+    """A run folder (its newest checkpoint) or one checkpoint folder of a dense model (an imported one, say)."""
+    data: str | None = None
+    """Measure on this corpus' validation split instead of the one the model was trained on."""
+    glob: str = "**/*"
+    """File pattern when --data is a folder."""
+    shares: list[float] = field(default_factory=lambda: [0.125])
+    """Shares of tokens that skip each sublayer, chosen at random, each in (0, 1) (default 0.125); a skipped token is
+    left out of attention (no query, key or value), as an MoD routed block leaves it."""
+    seq_len: int | None = None
+    """Window length in tokens; None = the run's seq_len (a shorter window measures faster)."""
+    batches: int = 2
+    """Validation batches."""
+    batch_size: int = 4
+    """Windows per batch."""
+    device: str = "auto"
+    """auto, cpu, cuda or mps."""
+    dtype: str = "float32"
+    """Autocast dtype."""
+    seed: int = 1337
+    """Seed of the random choice of skipping tokens (the same tokens for every block and part)."""
+    plot: str | None = None
+    """Write a heatmap PNG of the loss increase of each drop (blocks x parts; needs matplotlib)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.shares), "--shares: give at least one share")
+        for share in self.shares:
+            require(0 < share < 1, f"--shares must each be in (0, 1) (0 is the dense model, 1 the drop), got {share}")
+        repeated = [share for share in self.shares if self.shares.count(share) > 1]
+        require(not repeated, f"--shares: {repeated[0]} given twice" if repeated else "")
+        require(self.seq_len is None or self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
+        require(self.batches >= 1, f"--batches must be >= 1, got {self.batches}")
+        require(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        require(self.plot is None or self.plot.lower().endswith(".png"), f"--plot must name a .png file, got {self.plot!r}")
+
+
+def share_key(share: float) -> str:
+    """A share as the key of `share_losses` in the result and its JSON: 0.125 -> "0.125"."""
+    return f"{share:g}"
