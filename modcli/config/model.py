@@ -124,10 +124,12 @@ class ModelConfig(RoutingLayout):
             self.head_size > 0 or self.d_model % self.n_heads == 0,
             f"--d-model ({self.d_model}) must be divisible by --n-heads ({self.n_heads})",
         )
+        require(self.head_size >= 0, f"--head-size must be >= 0, got {self.head_size}")
         require(self.head_dim % 2 == 0, f"the head size must be even for RoPE, got {self.head_dim}")
         require(self.n_kv_heads >= 0 and self.n_heads % self.kv_heads == 0,
                 f"--n-heads ({self.n_heads}) must be a multiple of the key/value heads ({self.n_kv_heads})")
-        require(self.norm_eps is None or self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
+        require(self.norm_eps is None or self.norm_eps > 0, f"--norm-eps must be positive, got {self.norm_eps}")
+        require(self.rope_base > 1, f"--rope-base must be > 1, got {self.rope_base}")
         require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
                 f"rope_scaling must be of rope_type llama3, got {self.rope_scaling!r}")
         require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")

@@ -11,6 +11,7 @@ left to their own tests. `MODCLI_FUZZ_EXAMPLES` raises the number of examples fo
 
 from __future__ import annotations
 
+import inspect
 import os
 import typing
 from dataclasses import dataclass
@@ -24,7 +25,19 @@ from typer.models import ArgumentInfo, OptionInfo
 from typer.testing import CliRunner
 
 from modcli.cli import app
-from modcli.commands import evaluate, export, generate, import_command, plot, profile, routes, sweep, tokenizer, train
+from modcli.commands import (
+    evaluate,
+    export,
+    generate,
+    import_command,
+    plot,
+    profile,
+    routes,
+    sensitivity,
+    sweep,
+    tokenizer,
+    train,
+)
 
 EXAMPLES = int(os.environ.get("MODCLI_FUZZ_EXAMPLES", "0"))
 
@@ -45,9 +58,11 @@ class Flag:
 
 
 def command_flags(function) -> dict[str, Flag]:
-    """The options of a typer command function, by parameter name, from its annotations."""
+    """The options of a typer command function, by parameter name, from its signature as typer reads it (the flags
+    generated from config fields included: modcli.commands.config_flags)."""
     flags = {}
-    for name, hint in typing.get_type_hints(function, include_extras=True).items():
+    for name, parameter in inspect.signature(function, eval_str=True).parameters.items():
+        hint = parameter.annotation
         if typing.get_origin(hint) is not Annotated:
             continue
         base, *extras = typing.get_args(hint)
@@ -260,6 +275,16 @@ def test_routes_flags(extra, where, trained_run, corpus_file, tmp_path_factory):
     target = [str(trained_run)] * 3 + ["", "no-such-run"]
     args = ["routes", target[where], "--text", str(corpus_file), "--out", "routes.html", "--max-tokens", "16",
             "--device", "cpu", *extra]
+    check(invoke(tmp_path_factory, args), args)
+
+
+@fuzz_settings(8)
+@given(extra=drawn_flags(command_flags(sensitivity.sensitivity), frozenset({"batches", "batch_size", "seq_len"})),
+       where=st.integers(0, 4))
+def test_sensitivity_flags(extra, where, trained_run, tmp_path_factory):
+    target = [str(trained_run)] * 3 + ["", "no-such-run"]
+    args = ["sensitivity", target[where], "--batches", "1", "--batch-size", "1", "--seq-len", "8", "--device", "cpu",
+            *extra]
     check(invoke(tmp_path_factory, args), args)
 
 
