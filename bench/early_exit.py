@@ -50,8 +50,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for prompt in PROMPTS:
                 for name, (m, flags) in settings.items():
-                    config = GenerateConfig(args.run, prompts=[prompt], max_new_tokens=args.max_new_tokens,
-                                            temperature=0, device="cpu", **flags)
+                    config = GenerateConfig.of(args.run, prompts=[prompt], max_new_tokens=args.max_new_tokens,
+                                               temperature=0, device="cpu", **flags)
                     result = generate(config, model=m)
                     calls[name].append({"prompt": prompt, "tokens": result.tokens[0],
                                         "tokens_per_s": result.tokens_per_s, "decode_s": result.decode_s,

@@ -15,8 +15,9 @@ registered later (a test's toy) brings its options as flags. Typer reads a comma
 `inspect.signature`, which honours `__signature__`, so the generated flags are ordinary typer options; litgpt builds
 its command line from dataclasses the same way (with jsonargparse).
 
-What is no flag: a field whose type is a mapping (rope_scaling), ModelConfig's variant-option members (their
-fields are flags), and the names a group leaves out.
+What is no flag: a field whose type is a mapping (rope_scaling), ModelConfig's variant-option members and
+GenerateConfig's `family_decoding` (their fields are flags: `model_flags`, `decoding_flags`), and the names a group
+leaves out.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from rich.markup import escape
 
 from modcli.config import PRESETS, DataConfig, ModelConfig, TrainConfig, variant_fields
 from modcli.config.files import list_item_type, parse_list_flag
-from modcli.config.variant_options import MEMBERS, variants
+from modcli.config.variant_options import DECODING_MEMBER, MEMBERS, decoding_fields, variants
+from modcli.models.families import FAMILIES
 
 _PRESET_FIELDS = {name for preset in PRESETS.values() for name in preset}
 _PACKAGE = Path(__file__).resolve().parent.parent
+_MEMBERS = {*MEMBERS, DECODING_MEMBER}
+"""Fields holding a variant's options, whose own fields are the flags."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +96,13 @@ def _is_flag(hint: Any) -> bool:
 
 def flags_of(cls: type, leave_out: Iterable[str] = ()) -> list[ConfigFlag]:
     """A flag for every field of the dataclass `cls` (imported: a torch-free module) but those left out, mappings
-    and ModelConfig's members."""
+    and the members holding a variant's options."""
     hints = typing.get_type_hints(cls)
     return [ConfigFlag(field.name, hints[field.name],
                        field.default if field.default is not dataclasses.MISSING else dataclasses.MISSING,
                        field_docstring(cls, field.name), field.metadata)
             for field in dataclasses.fields(cls)
-            if field.name not in leave_out and field.name not in MEMBERS and _is_flag(hints[field.name])]
+            if field.name not in leave_out and field.name not in _MEMBERS and _is_flag(hints[field.name])]
 
 
 _SOURCE_TYPES = {"list": list, "dict": dict, "str": str, "int": int, "float": float, "bool": bool, "None": None,
@@ -118,7 +122,7 @@ def source_flags(module: str, class_name: str, leave_out: Iterable[str] = ()) ->
         if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
             continue
         name = statement.target.id
-        if name in leave_out or name not in docstrings:
+        if name in leave_out or name in _MEMBERS or name not in docstrings:
             continue
         try:
             hint = eval(ast.unparse(statement.annotation), {"__builtins__": {}}, _SOURCE_TYPES)  # noqa: S307
@@ -166,6 +170,15 @@ def model_flags(leave_out: Iterable[str] = ()) -> list[ConfigFlag]:
     for name, (member, variant, _) in variant_fields().items():
         if name not in leave_out and not any(flag.name == name for flag in found):
             found += [flag for flag in flags_of(variants(member)[variant]) if flag.name == name]
+    return found
+
+
+def decoding_flags() -> list[ConfigFlag]:
+    """Every registered family's decoding options (`Family.decoding_options`): the flags of `modcli generate` that
+    GenerateConfig gathers into `family_decoding`."""
+    found: list[ConfigFlag] = []
+    for name, (owner, _) in decoding_fields().items():
+        found += [flag for flag in flags_of(FAMILIES[owner].decoding_options) if flag.name == name]
     return found
 
 

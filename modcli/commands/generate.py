@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import modcli
 from modcli.commands import options
 from modcli.commands.common import stderr, subcommand
-from modcli.commands.config_flags import config_flags, source_flags
+from modcli.commands.config_flags import config_flags, decoding_flags, source_flags
 from modcli.reports.console import print_json
 
 if TYPE_CHECKING:
@@ -18,14 +18,14 @@ if TYPE_CHECKING:
 
 
 @subcommand
-@config_flags(lambda: source_flags("decode/generation.py", "GenerateConfig", leave_out=("checkpoint",)))
+@config_flags(lambda: source_flags("decode/generation.py", "GenerateConfig", leave_out=("checkpoint",)), decoding_flags)
 def generate(
     checkpoint: options.Checkpoint = None,
     json_output: options.Json = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Generate text with causal routing and a KV cache holding only the tokens each block processed."""
-    config = modcli.GenerateConfig(checkpoint, **flags)
+    config = modcli.GenerateConfig.of(checkpoint, **flags)  # a family's decoding options into family_decoding
     stream = None
     if not json_output and len(config.prompts) == 1:
         stream = modcli.Utf8Stream(lambda text: (sys.stdout.write(text), sys.stdout.flush()), prefix=config.prompts[0])
@@ -54,7 +54,8 @@ def compile_summary(result: GenerateResult) -> str:
 
 
 def exit_summary(result: GenerateResult) -> str:
-    """Decoding with exits: the acceptance rate of self-speculative decoding, or the blocks a token ran."""
+    """A family's own decoding (early exit's): the acceptance rate of draft-and-verify decoding, or the blocks a
+    token ran."""
     if result.acceptance_rate is not None:
         return (f"; {result.decoding}: acceptance rate {result.acceptance_rate:.1%}, {result.tokens_per_round:.2f} "
                 "tokens per round")

@@ -7,6 +7,11 @@ config.json, --config files, sweep grids and the command line spell them flat, b
 module is that translation: which flat key belongs to which variant (`variant_fields`), the flat values split into
 ModelConfig's fields and its two members (`split_flat`), and back (`flatten`).
 
+A family's decoding options (`Family.decoding_options`: `modcli generate`'s --exit-threshold for --arch early-exit)
+go the same way into GenerateConfig's one member, `family_decoding`: flat on the command line
+(`decoding_fields`, `split_decoding`), built into the owning family's dataclass (`build_decoding`) and, once the
+model is loaded, checked against its family (`decoding_for`).
+
 Torch-free: configuration imports it before any model exists.
 """
 
@@ -17,11 +22,14 @@ import typing
 from typing import Any
 
 from modcli.config.validation import require
+from modcli.errors import UserError
 from modcli.models.families import FAMILIES
 from modcli.models.routing.registry import ROUTER_KINDS
 
 MEMBERS = {"family_options": ("arch", "--arch"), "router_options": ("router", "--router")}
 """ModelConfig's members holding a variant's options -> (the field choosing the variant, its flag)."""
+DECODING_MEMBER = "family_decoding"
+"""GenerateConfig's member holding the model family's decoding options."""
 
 
 def variants(member: str) -> dict[str, type | None]:
@@ -99,6 +107,72 @@ def build_options(member: str, variant: str, given: Any) -> Any:
     unknown = sorted(set(given) - names)
     require(not unknown, f"{flag} {variant} has no option {', '.join(unknown)}")
     return options(**given)
+
+
+def decoding_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Every decoding option of every registered family, by its flat name: (the family's name, the dataclass field);
+    read on each call, like `variant_fields`."""
+    found: dict[str, tuple[str, dataclasses.Field]] = {}
+    for name, spec in FAMILIES.items():
+        for field in dataclasses.fields(spec.decoding_options) if spec.decoding_options else ():
+            found.setdefault(field.name, (name, field))
+    return found
+
+
+def split_decoding(values: dict[str, Any]) -> dict[str, Any]:
+    """Flat `modcli generate` values -> GenerateConfig's keyword arguments: the families' decoding options move into
+    `family_decoding`, as a dict of the values given (`build_decoding` makes it the owner's dataclass)."""
+    owned = decoding_fields()
+    kwargs = {key: value for key, value in values.items() if key not in owned}
+    given = {key: value for key, value in values.items() if key in owned}
+    if given:
+        kwargs[DECODING_MEMBER] = {**dict(values.get(DECODING_MEMBER) or {}), **given}
+    return kwargs
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def build_decoding(given: Any) -> Any:
+    """GenerateConfig.family_decoding from what it was given: None (none), an instance of a family's decoding options
+    (kept), or flat values (a dict): the dataclass of the first registered family whose decoding options hold them
+    all, which checks them."""
+    if given is None or not isinstance(given, dict):
+        require(given is None or any(type(given) is spec.decoding_options for spec in FAMILIES.values()),
+                f"{DECODING_MEMBER} must be a family's decoding options or their values, got {given!r}")
+        return given
+    if not given:
+        return None
+    for spec in FAMILIES.values():
+        options = spec.decoding_options
+        if options is not None and set(given) <= {f.name for f in dataclasses.fields(options)}:
+            return options(**given)
+    owned = decoding_fields()
+    unknown = sorted(set(given) - set(owned))
+    require(not unknown, f"no model family has the decoding option {', '.join(_flag(name) for name in unknown)}")
+    owners = sorted({owned[name][0] for name in given})
+    raise UserError(f"{' and '.join(_flag(name) for name in given)} are decoding options of different families "
+                    f"({', '.join(owners)}); give one family's")
+
+
+def decoding_for(family: Any, kind: str, options: Any) -> Any:
+    """`options` (GenerateConfig.family_decoding) as the decoding options of the loaded model's `family` (a Family;
+    `kind`: the model in words); options of another family are one line, unless this family declares the same
+    fields (then they are rebuilt as its own)."""
+    if options is None or type(options) is family.decoding_options:
+        return options
+    values = flatten(options)
+    if family.decoding_options is not None and set(values) <= {f.name for f in
+                                                                dataclasses.fields(family.decoding_options)}:
+        return family.decoding_options(**values)
+    defaults = type(options)()
+    changed = [f.name for f in dataclasses.fields(options) if getattr(options, f.name) != getattr(defaults, f.name)]
+    flag = " / ".join(_flag(name) for name in changed[:1] or values)
+    owner = next((name for name, spec in FAMILIES.items() if spec.decoding_options is type(options)),
+                 type(options).__name__)
+    article = "an" if owner[:1] in "aeiou" else "a"
+    raise UserError(f"{flag} needs {article} {owner} model (modcli train --arch {owner}); this one is {kind}")
 
 
 def flatten(options: Any) -> dict[str, Any]:

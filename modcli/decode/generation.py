@@ -1,10 +1,17 @@
-"""`modcli generate`: causal-routing decoding with a KV cache that stores only what each block processed."""
+"""`modcli generate`: causal-routing decoding with a KV cache that stores only what each block processed.
+
+After the prefill, the model decodes at full depth token by token (modcli.decode.greedy), unless its family has a
+decoding of its own (`Family.decoding_options` given as GenerateConfig.family_decoding, its `decoding` hook): then the
+hook's `FamilyDecoding` runs the decoding, given a `DecodeRun`, and fills GenerateResult's fields of it.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from modcli_runtime.errors import BundleError
@@ -14,6 +21,7 @@ from torch import Tensor
 
 from modcli.checkpoint.store import load_model_from
 from modcli.config import require
+from modcli.config.variant_options import build_decoding, decoding_for, split_decoding
 from modcli.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from modcli.decode.greedy import greedy_decode
 from modcli.decode.static import StaticDecoder
@@ -21,7 +29,6 @@ from modcli.errors import UserError
 from modcli.hardware import TORCH_DTYPES, autocast, resolve_device
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder
-from modcli.models.early_exit import ExitStats, check_exit_decoding, speculative_decode
 from modcli.packed_linear import PackedLinears, inference_linears
 from modcli.reports.console import stderr_console
 
@@ -57,13 +64,16 @@ class GenerateConfig:
     packed_linears: bool | None = None
     """Eager decoding on the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`);
     False = PyTorch's default BLAS; None = the CPU's default (`packed_linear.packed_by_default`: AMD)."""
-    exit_threshold: float | None = None
-    """Early-exit models: each new token leaves the blocks at the first exit whose top probability reaches this
-    (modcli.models.early_exit; 1.0 = the full model); None = full depth."""
-    speculative: int | None = None
-    """Early-exit models: self-speculative decoding, drafting with the first E blocks (greedy only); None = off."""
-    draft_tokens: int = 4
-    """--speculative: tokens drafted per round."""
+    family_decoding: Any = None
+    """The model family's own decoding options (`Family.decoding_options`, e.g. --exit-threshold of --arch
+    early-exit): an instance, or its flat values as a dict (`GenerateConfig.of` and the flags spell them flat);
+    None = none given, the full-depth decoding."""
+
+    @classmethod
+    def of(cls, *args: Any, **values: Any) -> GenerateConfig:
+        """A GenerateConfig from flat values, as the flags name them: each family decoding option (--exit-threshold,
+        ...) goes to `family_decoding`."""
+        return cls(*args, **split_decoding(values))
 
     def __post_init__(self) -> None:
         require(bool(self.prompts), "--prompt: give at least one prompt")
@@ -78,18 +88,10 @@ class GenerateConfig:
         require(self.temperature >= 0, f"--temperature must be >= 0, got {self.temperature}")
         require(self.top_k >= 0, f"--top-k must be >= 0, got {self.top_k}")
         require(0 < self.top_p <= 1, f"--top-p must be in (0, 1], got {self.top_p}")
-        require(self.exit_threshold is None or 0 < self.exit_threshold <= 1,
-                f"--exit-threshold must be in (0, 1], got {self.exit_threshold}")
-        require(self.speculative is None or self.speculative >= 1,
-                f"--speculative must be >= 1 (draft blocks), got {self.speculative}")
-        require(self.draft_tokens >= 1, f"--draft-tokens must be >= 1, got {self.draft_tokens}")
-        require(self.speculative is None or self.exit_threshold is None,
-                "give --exit-threshold or --speculative, not both")
-        require(not (self.compile and (self.exit_threshold is not None or self.speculative is not None)),
-                "--compile decodes at full depth with a static cache; it does not combine with --exit-threshold or "
-                "--speculative")
-        require(self.speculative is None or self.temperature == 0,
-                "--speculative decodes greedily (its output is the full model's greedy output): pass --temperature 0")
+        self.family_decoding = build_decoding(self.family_decoding)  # its own checks, naming its flags
+        check_generation = getattr(self.family_decoding, "check_generation", None)
+        if check_generation is not None:  # the family's options against these settings (--compile, --temperature)
+            check_generation(self)
 
 
 @dataclass
@@ -113,15 +115,15 @@ class GenerateResult:
     """What a dense model of the same shape would allocate for the same generation."""
     routing: str
     decoding: str = "full"
-    """full (every block), confidence (--exit-threshold) or speculative (--speculative), with its settings."""
+    """full (every block), or the family's own decoding with its settings (early exit: confidence or speculative)."""
     acceptance_rate: float | None = None
-    """--speculative: the share of drafted tokens the full model accepted."""
+    """A family's draft-and-verify decoding: the share of drafted tokens the full model accepted."""
     tokens_per_round: float | None = None
-    """--speculative: new tokens per draft-and-verify round (accepted drafts + the full model's own), per row."""
+    """A family's draft-and-verify decoding: new tokens per round (accepted drafts + the full model's own), per row."""
     mean_exit_block: float | None = None
-    """--exit-threshold: blocks run per decoded token, on average (the model's depth = no exit)."""
+    """A family's decoding with exits: blocks run per decoded token, on average (the model's depth = no exit)."""
     exit_blocks: dict[str, int] | None = None
-    """--exit-threshold: decoded tokens per exit block (the last block = the full depth)."""
+    """A family's decoding with exits: decoded tokens per exit block (the last block = the full depth)."""
     compile_s: float | None = None
     """--compile: compiling the prefill and the decode step (their first calls), not in prefill_s or decode_s."""
     graph_breaks: int | None = None
@@ -129,6 +131,44 @@ class GenerateResult:
     linear_kernel: str = "aten"
     """What the eager decoding ran nn.Linear with: onednn-packed (`modcli.packed_linear`: the products where it pays;
     the rest, e.g. a small model's single-row decode steps, stay on PyTorch's default) or aten."""
+
+
+@dataclass
+class DecodeRun:
+    """What `generate`'s loop hands a family's own decoding after the prefill."""
+
+    logits: Tensor
+    """(B, V): the prefill's next-token logits, each row's at its last prompt token."""
+    cache: DecoderCache
+    """Filled by the prefill, with the decoding's spare_tokens slots beyond the last token."""
+    max_new_tokens: int
+    steps: Callable[[Callable[[Tensor], Tensor]], list[list[int]]]
+    """The token-by-token loop (modcli.decode.greedy.greedy_decode with generate's sampler, streaming and token
+    store) run with the family's step, tokens (B,) -> logits (B, V) -> each row's new tokens."""
+    on_token: Callable[[int, int], None] | None
+    """For a decoding that makes its tokens its own way: `on_token(row, token)` for each new token in order
+    (streaming); None where nobody listens."""
+    autocast: Callable[[], AbstractContextManager]
+    """generate's mixed precision (--dtype), to enter around the model's calls."""
+
+
+class FamilyDecoding(Protocol):
+    """A family's own decoding: what its `Family.decoding` hook builds from the model and its decoding options."""
+
+    spare_tokens: int
+    """KV cache slots it may write beyond the last new token (drafts that run past it)."""
+
+    def step_rows(self, batch: int) -> int:
+        """Rows one decode step runs (the products the packed kernel is prepared for: `modcli.packed_linear`)."""
+        ...
+
+    def decode(self, run: DecodeRun) -> list[list[int]]:
+        """The new tokens of each row, `run.max_new_tokens` of them."""
+        ...
+
+    def result_fields(self, batch: int) -> dict[str, Any]:
+        """GenerateResult's fields of what it did (decoding, and e.g. acceptance_rate or mean_exit_block)."""
+        ...
 
 
 def sample(logits: Tensor, temperature: float, top_k: int, top_p: float, uniforms: Tensor | None) -> Tensor:
@@ -191,11 +231,8 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     tokenizer = tokenizer or ByteTokenizer()
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
     model.check_routing(routing, causal=True)
-    exits = config.exit_threshold is not None or config.speculative is not None
-    if exits:  # the family's capability (modcli.models.families: exit_decoding), checked first
-        check_exit_decoding(model, config.exit_threshold, config.speculative)
-        stats = ExitStats(f"confidence (exit at top probability >= {config.exit_threshold:g})"
-                          if config.exit_threshold is not None else "")
+    family = model.config.family  # its decoding options and its decoding's own checks, before anything runs
+    decoding = family.decoding_hook(model, decoding_for(family, model.config.kind, config.family_decoding))
     prompts = [tokenizer.encode(p) for p in config.prompts]
     if not all(prompts):
         raise UserError("--prompt: a prompt encodes to no tokens")
@@ -208,7 +245,7 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
     if max_tokens > model.config.seq_len and on_bytes is not None:
         stderr_console.print(f"[yellow]note: {max_tokens} tokens exceed the training context of "
                              f"{model.config.seq_len}; positions beyond it were never trained[/]")
-    spare = config.draft_tokens + 1 if config.speculative else 0  # a round's drafts may run past the last token
+    spare = decoding.spare_tokens if decoding is not None else 0
     static = None
     if config.compile:
         static = StaticDecoder(model, batch, max_tokens, routing, device, config.dtype, compile=True)
@@ -225,28 +262,27 @@ def generate(config: GenerateConfig, on_bytes: Callable[[int, bytes], None] | No
 
     linears = inference_linears(model, device, config.dtype, config.packed_linears if static is None else False)
     return _decode(config, model, tokenizer, routing, prompts, cache, static, uniforms, new_tokens, on_bytes,
-                   stats if exits else None, device, linears)
+                   decoding, device, linears)
 
 
 def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, routing: str,
             prompts: list[list[int]], cache: DecoderCache, static, uniforms: Tensor | None, new_tokens: Tensor,
-            on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device,
+            on_bytes: Callable[[int, bytes], None] | None, decoding: FamilyDecoding | None, device: torch.device,
             linears: PackedLinears) -> GenerateResult:
     """`generate`'s prefill and decoding loop, timed; `linears`: the packed kernel (`modcli.packed_linear`) on the
-    products that can pay, entered before each clock starts: the prefill's, then the decode steps' (B rows, or a
-    speculative round's B x (drafts + 1))."""
+    products that can pay, entered before each clock starts: the prefill's, then the decode steps' (B rows, or the
+    family decoding's `step_rows`)."""
     batch = len(prompts)
-    exits = stats is not None
     with linears.up_to():
         start = time.perf_counter()
         logits = prefill(model, prompts, cache, routing, device, config.dtype, static)
         _sync(device)
         prefill_s = time.perf_counter() - start if static is None else static.prefill_s
     streams = [TextPieces(tokenizer) for _ in prompts]
-    step_rows = batch * (config.draft_tokens + 1 if config.speculative else 1)
+    step_rows = decoding.step_rows(batch) if decoding is not None else batch
     with linears.up_to(step_rows):
-        outputs, stats, decode_s = _decode_steps(config, model, routing, cache, static, uniforms, new_tokens,
-                                                 logits, streams, on_bytes, stats, device)
+        outputs, decode_s = _decode_steps(config, model, routing, cache, static, uniforms, new_tokens, logits,
+                                          streams, on_bytes, decoding, device)
 
     positions = cache.positions.sum().item()
     processed = {f"block{layer}": cache.layers[layer].lengths.sum().item() / positions
@@ -260,13 +296,15 @@ def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, rou
         dense_kv_cache_allocated_bytes=cache.dense_equivalent_allocated_bytes(), routing=routing,
         compile_s=static.compile_stats.compile_s if static else None,
         graph_breaks=static.compile_stats.graph_breaks if static else None, linear_kernel=linears.kernel,
-        **(_exit_fields(stats, batch) if exits else {}))
+        **(decoding.result_fields(batch) if decoding is not None else {}))
 
 
 def _decode_steps(config: GenerateConfig, model: MoDDecoder, routing: str, cache: DecoderCache, static,
                   uniforms: Tensor | None, new_tokens: Tensor, logits: Tensor, streams: list[TextPieces],
-                  on_bytes: Callable[[int, bytes], None] | None, stats, device: torch.device):
-    """Sample and decode the new tokens after the prefill's `logits` -> (tokens per row, exit statistics, seconds)."""
+                  on_bytes: Callable[[int, bytes], None] | None, decoding: FamilyDecoding | None,
+                  device: torch.device) -> tuple[list[list[int]], float]:
+    """Sample and decode the new tokens after the prefill's `logits`, at full depth or by the family's `decoding`
+    -> (tokens per row, seconds)."""
 
     def choose(logits: Tensor, index: int) -> Tensor:
         step_uniforms = uniforms[index] if uniforms is not None else None
@@ -280,35 +318,24 @@ def _decode_steps(config: GenerateConfig, model: MoDDecoder, routing: str, cache
 
     def step(next_tokens: Tensor) -> Tensor:
         with autocast(device, config.dtype):
-            if config.exit_threshold is not None:
-                logits, exit_block = model.decode_step_exit(next_tokens, cache, config.exit_threshold)
-                for block in exit_block.tolist():
-                    stats.exit_layers[f"block{block}"] = stats.exit_layers.get(f"block{block}", 0) + 1
-                return logits.float()
             if static is not None:
                 return static.step(next_tokens).float()
             return model.decode_step(next_tokens, cache, routing).float()
 
-    start = time.perf_counter()
-    if config.speculative:  # drafts and verifies from the prefill's logits: rounds of several tokens, not this loop
-        on_token = None if on_bytes is None else (lambda row, token: on_bytes(row, streams[row](token)))
-        with autocast(device, config.dtype):
-            outputs, stats = speculative_decode(model, logits, cache, config.max_new_tokens, config.speculative,
-                                                config.draft_tokens, on_token)
-    else:
+    def steps(step: Callable[[Tensor], Tensor]) -> list[list[int]]:
         greedy_decode(logits, config.max_new_tokens, step, emit, choose)
-        outputs = new_tokens.T.tolist()  # (B, N)
+        return new_tokens.T.tolist()  # (B, N)
+
+    start = time.perf_counter()
+    if decoding is not None:
+        on_token = None if on_bytes is None else (lambda row, token: on_bytes(row, streams[row](token)))
+        outputs = decoding.decode(DecodeRun(logits, cache, config.max_new_tokens, steps, on_token,
+                                            lambda: autocast(device, config.dtype)))
+    else:
+        outputs = steps(step)
     _sync(device)
     decode_s = time.perf_counter() - start
-    return outputs, stats, decode_s
-
-
-def _exit_fields(stats, batch: int) -> dict:
-    """GenerateResult's fields of decoding with exits (modcli.models.early_exit.ExitStats)."""
-    return dict(decoding=stats.decoding, acceptance_rate=stats.acceptance_rate,
-                tokens_per_round=None if not stats.rounds else
-                (stats.accepted + batch * stats.rounds) / (batch * stats.rounds),
-                mean_exit_block=stats.mean_exit_block, exit_blocks=dict(sorted(stats.exit_layers.items())) or None)
+    return outputs, decode_s
 
 
 def _sync(device: torch.device) -> None:

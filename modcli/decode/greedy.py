@@ -1,8 +1,9 @@
 """The one token-by-token decoding loop after a prefill: `modcli generate` (modcli.decode.generation), the lm-eval
 harness's generate_until (modcli.evaluation.harness) and export validation's eager reference (modcli.bundle.validation)
 all run it. Each caller brings what differs: how a step runs (the eager cached `decode_step`, the compiled static
-step, an early-exit step), how a token is chosen (greedy by default; `generate` passes its sampler) and what it keeps
-of each step (the tokens, streamed text, the logits, a stop-string check)."""
+step, a family's own step such as early exit's confidence exit, through `modcli.decode.generation.DecodeRun.steps`),
+how a token is chosen (greedy by default; `generate` passes its sampler) and what it keeps of each step (the tokens,
+streamed text, the logits, a stop-string check)."""
 
 from __future__ import annotations
 

@@ -81,8 +81,9 @@ class EvalResult:
     kind: str = ""
     """The model family in words (ModelConfig.kind): dense, MoD ..., MoE ..., staged MoDE ..., integrated MoDE ..."""
     exit_losses: dict[str, float] = field(default_factory=dict)
-    """Early-exit models: the loss (nats/token) of the exit after each block, through the shared final norm and head,
-    on the same windows (causal; the last block's is the model's loss)."""
+    """The model family's own evaluation losses (`Family.evaluation_losses`, nats/token) on the same windows, by
+    name; empty for a family with none. Early-exit models: the loss of the exit after each block, through the shared
+    final norm and head (causal; the last block's is the model's loss)."""
     linear_kernel: str = "aten"
     """What nn.Linear ran with: onednn-packed (CPU float32, `modcli.packed_linear`) or aten (PyTorch's default)."""
 
@@ -112,8 +113,8 @@ def _evaluate(config: EvalConfig, model: MoDDecoder, run_config, checkpoint: Pat
     """`evaluate`'s loop over the validation batches and routing modes."""
     seq_len = run_config.model.seq_len
     caps = model.capabilities
-    exits = run_config.model.family.exit_decoding
-    exit_totals = [0.0] * run_config.model.n_layers
+    family = run_config.model.family
+    family_totals: dict[str, float] = {}
     totals = {mode: 0.0 for mode in modes}
     processed = {mode: {} for mode in modes}
     agreement_sums: dict = {}
@@ -136,11 +137,10 @@ def _evaluate(config: EvalConfig, model: MoDDecoder, run_config, checkpoint: Pat
                 processed[mode][key] = processed[mode].get(key, 0.0) + fraction
             if records and mode == model.training_mode:
                 _accumulate(agreement_sums, routing_agreement(records))
-        if exits:
-            with autocast(device, config.dtype):
-                exit_logits = model.exit_layer_logits(inputs)  # (L, B, T, V)
-            for layer, logits in enumerate(exit_logits):
-                exit_totals[layer] += lm_loss(logits, targets).item()
+        with autocast(device, config.dtype):
+            family_losses = family.evaluation_losses(model, inputs, targets)
+        for name, loss in family_losses.items():
+            family_totals[name] = family_totals.get(name, 0.0) + loss.item()
 
     results = []
     for mode in modes:
@@ -154,8 +154,7 @@ def _evaluate(config: EvalConfig, model: MoDDecoder, run_config, checkpoint: Pat
     state_step = int(checkpoint.name.split("-")[-1]) if checkpoint.name.startswith("step-") else 0
     return EvalResult(str(checkpoint), state_step, corpus.description, n_batches * config.batch_size * seq_len,
                       results, agreement, None if run_config.model.dense else run_config.model.router,
-                      run_config.model.kind,
-                      {f"block{layer}": total / n_batches for layer, total in enumerate(exit_totals)} if exits else {})
+                      run_config.model.kind, {name: total / n_batches for name, total in family_totals.items()})
 
 
 def _accumulate(total: dict, update: dict) -> None:

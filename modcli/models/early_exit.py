@@ -16,7 +16,9 @@ Training
   vocabulary the head costs ~7% of a block, so LayerSkip's rotational curriculum (for 32k-token heads) is not
   needed.
 
-Decoding (`modcli generate`; the prompt is always prefilled at full depth)
+Decoding (`modcli generate` with the family's decoding options, `ExitDecodingOptions`; its hook `exit_decoding` builds
+the `ConfidenceExit` or `SelfSpeculative` decoding that generate's loop runs; the prompt is always prefilled at full
+depth)
 - Confidence exit (`--exit-threshold P`, CALM's softmax response): a token climbs the blocks and stops after the
   first block whose softmax top probability through the shared norm and head reaches P; its logits are that exit's.
   The blocks it skips still need its K/V for later tokens: each skipped block runs only its attention norm and
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,10 @@ from modcli.config import ModelConfig
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import ForwardAux, MoDDecoder, config_rope, decode_rope
+
+if TYPE_CHECKING:
+    from modcli.decode.generation import DecodeRun
+    from modcli.models.families.early_exit import ExitDecodingOptions
 
 
 def exit_weights(config: ModelConfig) -> list[float]:
@@ -220,17 +227,78 @@ class ExitStats:
             return None
         return sum((int(name.removeprefix("block")) + 1) * count for name, count in self.exit_layers.items()) / total
 
+    def result_fields(self, batch: int) -> dict[str, Any]:
+        """GenerateResult's fields of decoding with exits."""
+        return dict(decoding=self.decoding, acceptance_rate=self.acceptance_rate,
+                    tokens_per_round=None if not self.rounds else
+                    (self.accepted + batch * self.rounds) / (batch * self.rounds),
+                    mean_exit_block=self.mean_exit_block, exit_blocks=dict(sorted(self.exit_layers.items())) or None)
 
-def check_exit_decoding(model: MoDDecoder, exit_threshold: float | None, speculative: int | None) -> None:
-    """A UserError unless the model's family decodes with exits and E fits its depth."""
-    flag = "--exit-threshold" if exit_threshold is not None else "--speculative"
-    if not model.config.family.exit_decoding:
-        raise UserError(f"{flag} needs an early-exit model (modcli train --arch early-exit); this one is "
-                        f"{model.config.kind}")
-    layers = model.config.n_layers
-    if speculative is not None and not 1 <= speculative < layers:
-        raise UserError(f"--speculative must be in 1..{layers - 1} (draft blocks, fewer than the model's {layers}), "
-                        f"got {speculative}")
+
+def exit_decoding(model: EarlyExitDecoder, options: ExitDecodingOptions) -> ConfidenceExit | SelfSpeculative | None:
+    """The family's decoding hook (`Family.decoding`): confidence exit for --exit-threshold, self-speculative
+    decoding for --speculative (E must fit the model's depth: a UserError), None (full depth) for neither."""
+    if options.speculative is not None:
+        layers = model.config.n_layers
+        if not 1 <= options.speculative < layers:
+            raise UserError(f"--speculative must be in 1..{layers - 1} (draft blocks, fewer than the model's "
+                            f"{layers}), got {options.speculative}")
+        return SelfSpeculative(model, options.speculative, options.draft_tokens)
+    if options.exit_threshold is not None:
+        return ConfidenceExit(model, options.exit_threshold)
+    return None
+
+
+class ConfidenceExit:
+    """`modcli generate --exit-threshold P`: generate's token-by-token loop (its sampler, its streaming) with the
+    confidence-exit step, `EarlyExitDecoder.decode_step_exit`, counting each token's exit block."""
+
+    spare_tokens = 0
+
+    def __init__(self, model: EarlyExitDecoder, threshold: float) -> None:
+        self.model, self.threshold = model, threshold
+        self.stats = ExitStats(f"confidence (exit at top probability >= {threshold:g})")
+
+    def step_rows(self, batch: int) -> int:
+        return batch
+
+    def decode(self, run: DecodeRun) -> list[list[int]]:
+        exit_layers = self.stats.exit_layers
+
+        def step(tokens: Tensor) -> Tensor:
+            with run.autocast():
+                logits, exit_block = self.model.decode_step_exit(tokens, run.cache, self.threshold)  # (B, V), (B,)
+                for block in exit_block.tolist():
+                    exit_layers[f"block{block}"] = exit_layers.get(f"block{block}", 0) + 1
+                return logits.float()
+
+        return run.steps(step)
+
+    def result_fields(self, batch: int) -> dict[str, Any]:
+        return self.stats.result_fields(batch)
+
+
+class SelfSpeculative:
+    """`modcli generate --speculative E --draft-tokens K`: rounds of K drafts and one verify pass
+    (`speculative_decode`) from the prefill's logits, instead of generate's token-by-token loop; greedy."""
+
+    def __init__(self, model: EarlyExitDecoder, draft_layers: int, draft_tokens: int) -> None:
+        self.model, self.draft_layers, self.draft_tokens = model, draft_layers, draft_tokens
+        self.spare_tokens = draft_tokens + 1  # a round's drafts may run past the last token
+        self.stats = ExitStats("")
+
+    def step_rows(self, batch: int) -> int:
+        """A verify pass runs each row's drafts and its last token: B x (K + 1)."""
+        return batch * (self.draft_tokens + 1)
+
+    def decode(self, run: DecodeRun) -> list[list[int]]:
+        with run.autocast():
+            outputs, self.stats = speculative_decode(self.model, run.logits, run.cache, run.max_new_tokens,
+                                                     self.draft_layers, self.draft_tokens, run.on_token)
+        return outputs
+
+    def result_fields(self, batch: int) -> dict[str, Any]:
+        return self.stats.result_fields(batch)
 
 
 @torch.no_grad()

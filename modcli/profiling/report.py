@@ -161,9 +161,10 @@ def _table(result: ProfileResult, r: SeqLenProfile) -> Table:
     compared = result.baseline is not None
     m, b = r.model, r.baseline
     caption = [f"causal routing of prefill and decode: {result.routing}"] if m.decode else []
-    if m.decode and family(result.model.config.get("arch", DEFAULT_FAMILY)).exit_decoding:
-        caption.append("decode step at full depth (no exit): modcli generate --exit-threshold / --speculative "
-                       "measure decoding with exits")
+    decoding_flags = family(result.model.config.get("arch", DEFAULT_FAMILY)).decoding_flags()
+    if m.decode and decoding_flags:
+        caption.append(f"decode step at full depth: modcli generate {' / '.join(decoding_flags)} measure the family's "
+                       "own decoding")
     if result.model.routers_calibrated:
         caption.append(f"untrained routers calibrated at T = {r.seq_len} on separate tokens ({result.routing} rule) "
                        f"to process {result.model.capacity:g} of the tokens")

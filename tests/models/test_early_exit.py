@@ -42,7 +42,7 @@ def _model(**overrides) -> EarlyExitDecoder:
 
 
 def _generate(model, **settings):
-    return generate(GenerateConfig("unused", prompts=PROMPTS, max_new_tokens=24, temperature=0, **settings),
+    return generate(GenerateConfig.of("unused", prompts=PROMPTS, max_new_tokens=24, temperature=0, **settings),
                     model=model)
 
 
@@ -233,7 +233,7 @@ def test_bad_flags_are_one_line_and_exit_2(early_exit_run, corpus_file, tmp_path
         assert result.exit_code == 2 and message in result.stderr, (args, result.output)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     with pytest.raises(UserError, match="needs an early-exit model"):
-        generate(GenerateConfig("unused", max_new_tokens=2, exit_threshold=0.5),
+        generate(GenerateConfig.of("unused", max_new_tokens=2, exit_threshold=0.5),
                  model=MoDDecoder(early_exit_config(arch="mod", route_every=0)).eval())
     train_cases = [
         (["--arch", "nope"], "--arch must be one of mod, early-exit"),

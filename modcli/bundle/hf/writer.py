@@ -109,9 +109,9 @@ def _export(config: ExportConfig, out: Path, log: Progress) -> HFExportResult:
     family = model.config.family
     routing = config.routing or (model.causal_modes() or ("dense",))[0]
     model.check_routing(routing, causal=True)
-    if family.export_note and family.exportable:
-        log(f"note: --arch {family.name}: the folder holds the full-depth model; confidence exit and "
-            "self-speculative decoding are not in it")
+    if family.decoding_options and family.exportable:
+        log(f"note: --arch {family.name}: the folder holds the full-depth model; its own decoding (modcli generate "
+            f"{' / '.join(family.decoding_flags())}) is not in it")
     dtype = TORCH_DTYPES[config.dtype]
     origin = provenance(run_config, checkpoint)
     converted = convert(model, routing, origin.architecture, dtype)

@@ -30,7 +30,8 @@ def family(name: str) -> Family:
 
 MOD = register(Family(
     "mod", "modcli.models.decoder:MoDDecoder",
-    "Mixture-of-Depths decoder (dense with --dense / --route-every 0; MoE and MoDE with --experts)"))
+    "Mixture-of-Depths decoder (dense with --dense / --route-every 0; MoE and MoDE with --experts)",
+    static_drops=True))
 register(EARLY_EXIT)
 register(RECURSION)
 DEFAULT_FAMILY = MOD.name

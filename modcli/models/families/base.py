@@ -8,6 +8,7 @@ comparing family names.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 
@@ -33,9 +34,18 @@ class Family:
     """MoD routers (--router, --capacity, --route-every, ...) may route its blocks."""
     experts: bool = True
     """Its blocks may have a mixture-of-experts MLP (--experts)."""
-    exit_decoding: bool = False
-    """`modcli generate --exit-threshold / --speculative` (decoding that leaves the stack early) applies, and
-    `modcli eval` reports the loss of the exit after every block (the decoder's `exit_layer_logits`)."""
+    decoding_options: type | None = None
+    """The family's own options of `modcli generate`: a frozen dataclass, each field a flag (its docstring the help),
+    its `__post_init__` checking them, and, if it needs to, a `check_generation(config)` method checking them against
+    generate's own settings (the GenerateConfig: --temperature, --compile). GenerateConfig holds an instance as
+    `family_decoding` (None: none given); given for a model of another family they are refused
+    (modcli.config.variant_options.decoding_for)."""
+    decoding: str | None = None
+    """The decoding hook, "module:function", imported on first use (`decoding_hook`): function(model, options) -> the
+    decoding `modcli generate` runs after the prefill instead of its full-depth steps
+    (modcli.decode.generation.FamilyDecoding), or None where the options choose the full depth."""
+    static_drops: bool = False
+    """`--drop` may remove sublayers of its blocks (each block its own, decoded at one depth)."""
     exportable: bool = True
     """`modcli export` can lower it (else it refuses with `export_note` as the reason)."""
     router_fields: tuple[str, ...] = ()
@@ -49,6 +59,19 @@ class Family:
         """The decoder class, imported on first use."""
         module, cls = self.model.split(":")
         return getattr(importlib.import_module(module), cls)
+
+    def decoding_flags(self) -> list[str]:
+        """The `modcli generate` flags of its decoding options (none without them)."""
+        options = self.decoding_options
+        return [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(options)] if options else []
+
+    def decoding_hook(self, model, options):
+        """The family's own decoding of `model` with `options` (its decoding_options; None: none given): what its
+        `decoding` hook builds, or None (the full-depth decoding of `modcli generate`)."""
+        if options is None or self.decoding is None:
+            return None
+        module, function = self.decoding.split(":")
+        return getattr(importlib.import_module(module), function)(model, options)
 
     # --- configuration ------------------------------------------------------------------------------------------
 
@@ -95,3 +118,11 @@ class Family:
     def extra_head_passes(self, config) -> int:
         """Extra passes through the final norm and LM head in a training forward (exit losses)."""
         return 0
+
+    # --- evaluation ----------------------------------------------------------------------------------------------
+
+    def evaluation_losses(self, model, inputs, targets) -> dict:
+        """`modcli eval`'s extra losses of the family on one validation batch, inputs and targets (B, T): name ->
+        scalar tensor (nats/token), averaged over the batches into EvalResult.exit_losses. Called under the
+        evaluation's autocast; none by default."""
+        return {}
