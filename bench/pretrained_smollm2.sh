@@ -123,8 +123,9 @@ while IFS='|' read -r name modes flags; do
   log "$name: train (${steps:-$STEPS} steps x $BATCH x $SEQ_LEN tokens): $flags"
   rm -rf "$run"
   # shellcheck disable=SC2086  # the recipe's flags are words
+  steps=${steps:-$STEPS}  # a recipe's own --max-steps 0 (a static drop, untrained) evaluates once, at step 0
   "$MODCLI" train --init-from "$DENSE" --max-steps "$STEPS" --batch-size "$BATCH" --warmup "$WARMUP" \
-    --eval-every "${steps:-$STEPS}" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json $flags \
+    --eval-every "$(( steps > 0 ? steps : 1 ))" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json $flags \
     > "$RAW/$name.train.json" < /dev/null
   cp "$run/metrics.jsonl" "$RAW/$name.metrics.jsonl"
   IFS=',' read -r -a mode_list <<< "$modes"

@@ -54,7 +54,7 @@ def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, routed_cache_tok
     num, den = spec.capacity
     routed_default = min(cache_tokens, max(1, cache_tokens * num // den))
     stored = {layer: cache_tokens if spec.writes_every_row(layer) else
-              (routed_default if routed_cache_tokens is None else routed_cache_tokens) for layer in range(spec.n_layers)}
+              (routed_default if routed_cache_tokens is None else routed_cache_tokens) for layer in spec.layers}
     dtype = NUMPY_DTYPES[spec.dtype]
     feeds: dict[str, np.ndarray] = {}
     for layer, tokens in stored.items():

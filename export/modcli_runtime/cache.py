@@ -32,14 +32,24 @@ class CacheSpec:
     processed_row_layers: list[int]
     """Layers where only the rows that processed the token store its K/V (attention is routed); every other layer
     stores every row's."""
+    kv_layers: list[int] | None = None
+    """The layers that have a cache (a static drop removes a layer's attention and its cache); None = every layer
+    (bundles written before drops existed)."""
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers with a cache, in order."""
+        return list(range(self.n_layers)) if self.kv_layers is None else self.kv_layers
 
     @classmethod
     def from_manifest(cls, decode: dict[str, Any]) -> CacheSpec:
         cache = decode["cache"]
         spec = cls(int(cache["n_layers"]), int(cache["n_heads"]), int(cache["head_dim"]), cache["dtype"],
                    [int(layer) for layer in cache["routed_layers"]], tuple(cache["capacity"]),
-                   [int(layer) for layer in cache["processed_row_layers"]])
-        if spec.dtype not in NUMPY_DTYPES or not set(spec.processed_row_layers) <= set(spec.routed_layers):
+                   [int(layer) for layer in cache["processed_row_layers"]],
+                   None if cache.get("kv_layers") is None else [int(layer) for layer in cache["kv_layers"]])
+        if (spec.dtype not in NUMPY_DTYPES or not set(spec.processed_row_layers) <= set(spec.routed_layers)
+                or not set(spec.layers) <= set(range(spec.n_layers))):
             raise ValueError("bad cache description")
         return spec
 
@@ -57,7 +67,7 @@ class CacheSpec:
     def allocate(self, batch: int, max_tokens: int) -> dict[str, np.ndarray]:
         dtype = NUMPY_DTYPES[self.dtype]
         feeds: dict[str, np.ndarray] = {}
-        for layer in range(self.n_layers):
+        for layer in self.layers:
             shape = (batch, self.n_heads, self.initial_slots(layer, max_tokens), self.head_dim)
             feeds[f"keys.{layer}"] = np.zeros(shape, dtype=dtype)
             feeds[f"values.{layer}"] = np.zeros(shape, dtype=dtype)
@@ -66,7 +76,7 @@ class CacheSpec:
 
     def ensure_room(self, feeds: dict[str, np.ndarray]) -> None:
         """Grow each layer's buffers (doubling) so that every row's next slot fits."""
-        for layer in range(self.n_layers):
+        for layer in self.layers:
             self._grow(feeds, layer, int(feeds[f"lengths.{layer}"].max()) + 1)
 
     @staticmethod
@@ -89,8 +99,8 @@ class CacheSpec:
         and only for rows with processed.L[b] true in `processed_row_layers`; those rows' lengths grow by one. Only
         the written rows are touched (a buffer is reallocated only when it must grow).
         """
-        for layer, every_row in enumerate(self._every_row):
-            keys_name, values_name, lengths_name = self._names[layer]
+        for layer, every_row, (keys_name, values_name, lengths_name) in zip(self.layers, self._every_row,
+                                                                             self._names, strict=True):
             lengths = feeds[lengths_name]
             if every_row:
                 rows = np.arange(lengths.shape[0])
@@ -114,5 +124,5 @@ class CacheSpec:
             lengths[rows] = slots + 1
 
     def __post_init__(self) -> None:
-        self._every_row = tuple(self.writes_every_row(layer) for layer in range(self.n_layers))
-        self._names = tuple((f"keys.{layer}", f"values.{layer}", f"lengths.{layer}") for layer in range(self.n_layers))
+        self._every_row = tuple(self.writes_every_row(layer) for layer in self.layers)
+        self._names = tuple((f"keys.{layer}", f"values.{layer}", f"lengths.{layer}") for layer in self.layers)

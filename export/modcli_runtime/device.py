@@ -41,6 +41,7 @@ class DeviceCache:
         self.writer = writer_session
         self.device, self.device_id = device, device_id
         self.n_layers, self.routed_layers = spec.n_layers, spec.routed_layers
+        self.layers = spec.layers  # the layers with a cache (a static drop leaves a layer without)
         self.processed_row_layers = spec.processed_row_layers
         self.input_names = [value.name for value in decode_session.get_inputs()]
         self.output_names = [value.name for value in decode_session.get_outputs()]
@@ -56,7 +57,7 @@ class DeviceCache:
         weight) on the device; lengths stay numpy on the host."""
         dtype = NUMPY_DTYPES[self.spec.dtype]
         feeds: dict[str, Any] = {}
-        for layer in range(self.n_layers):
+        for layer in self.spec.layers:
             shape = (batch, self.spec.n_heads, self.spec.initial_slots(layer, max_tokens), self.spec.head_dim)
             for name in ("keys", "values"):
                 feeds[f"{name}.{layer}"] = self.to_device(np.zeros(shape, dtype=dtype))
@@ -94,9 +95,9 @@ class DeviceCache:
 
     def write_rows(self, feeds: dict[str, Any], outputs: dict[str, Any]) -> None:
         """`CacheSpec.write_rows` on the device: row b's new K/V at slot lengths.L[b], in place."""
-        batch = feeds["lengths.0"].shape[0] if self.n_layers else 0
+        batch = feeds[f"lengths.{self.spec.layers[0]}"].shape[0] if self.spec.layers else 0
         heads = np.arange(self.spec.n_heads)
-        for layer in range(self.n_layers):
+        for layer in self.spec.layers:
             if self.spec.writes_every_row(layer):
                 rows = np.arange(batch)
             else:

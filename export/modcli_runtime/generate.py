@@ -197,7 +197,7 @@ def generate_tokens(step: StepFunction, cache_spec: CacheSpec, prompts: list[str
         active = position < lengths + max_new_tokens - 1  # (B,) rows whose fed token counts
         for layer in processed:
             processed[layer] += outputs[f"processed.{layer}"].astype(np.int64) * active
-        for layer in range(cache_spec.n_layers):
+        for layer in cache_spec.layers:  # a layer without a cache (a static drop) stores nothing
             cache_lengths[layer] = np.where(active, feeds[f"lengths.{layer}"], cache_lengths[layer])
         sampling = (position >= lengths - 1) & (position < lengths + max_new_tokens - 1)  # (B,)
         if not sampling.any():

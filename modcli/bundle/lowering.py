@@ -86,7 +86,7 @@ def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
     cache: list[torch.Tensor] = []
     cache_shapes: list[dict[int, Any]] = []
     axes: dict[str, dict[int, str]] = {"tokens": {0: "batch"}, "positions": {0: "batch"}}
-    for layer in range(config.n_layers):
+    for layer in config.kv_layers():  # --drop: a layer without attention has no cache
         slots = 13 + 2 * layer  # distinct sample sizes: each layer's slot count is its own dimension
         shape = (2, config.kv_heads, slots, config.head_dim)
         cache += [torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype),

@@ -161,7 +161,7 @@ class EagerGeneration:
     logits: list[np.ndarray]
     """Per row, the (steps, V) logits each token was chosen from."""
     processed: dict[int, list[int]]
-    """Per attention-routed layer, per row: tokens its cache holds (= tokens the layer processed)."""
+    """Per layer whose cache holds only what it processed (`kv_is_routed`), per row: those tokens."""
     cache_lengths: dict[int, list[int]]
     """Per layer, per row: tokens its KV cache holds at the end (prompt + steps - 1 in layers that store every row)."""
     margin: float
@@ -178,9 +178,10 @@ def eager_generation(model: MoDDecoder, prompts: list[list[int]], steps: int, ro
         logits = prefill(model, prompts, cache, routing, device, "float32")  # (B, V); the model is in the export dtype
         tokens, kept = _greedy_steps(model, cache, logits, len(prompts), steps, routing)
     lengths = {layer: cache.layers[layer].lengths.tolist() for layer in range(model.config.n_layers)}
-    # A routed layer's cache counts what it processed, unless only its MLP is routed (then it caches every token).
+    # A routed layer's cache counts what it processed, unless it caches every token (--route-part mlp,
+    # --keep-skipped-kv).
     processed = {layer: lengths[layer] for layer in model.config.routed_layers()
-                 if model.config.attention_is_routed(layer)}
+                 if model.config.kv_is_routed(layer)}
     return EagerGeneration(tokens, [np.stack(rows) for rows in kept], processed, lengths, margin["closest"])
 
 
@@ -262,7 +263,7 @@ def validate_bundle(folder: Path, model: MoDDecoder, specs: list[GraphSpec], con
         torch_spec = CacheSpec(model_config.n_layers, model_config.kv_heads, model_config.head_dim, "float32",
                                model_config.routed_layers(), model_config.capacity_fraction(),
                                [layer for layer in range(model_config.n_layers)
-                                if model_config.attention_is_routed(layer)])
+                                if model_config.kv_is_routed(layer)], model_config.kv_layers())
         by_name = {s.name: s for s in specs}
         for name, calls in runners:
             if "forward" in calls:

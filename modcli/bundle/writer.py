@@ -73,10 +73,12 @@ from modcli.errors import UserError, WriteFailed
 from modcli.hardware import TORCH_DTYPES
 from modcli.models.decoder import MoDDecoder
 
-CACHE_UPDATE_NOTE = ("the graph only reads the cache and returns this step's K/V per layer as new_keys.L/new_values.L "
+CACHE_UPDATE_NOTE = ("the graph only reads the cache and returns this step's K/V per layer of kv_layers (a layer whose "
+                     "attention a static drop removed has no cache) as new_keys.L/new_values.L "
                      "(B, Hkv, 1, hd); the caller stores row b's at slot lengths.L[b] of its own buffers, in place, "
                      "and adds 1 to lengths.L[b]: for every row in every_row_layers, and only for rows with "
-                     "processed.L[b] true in processed_row_layers (attention-routed layers)")
+                     "processed.L[b] true in processed_row_layers (attention-routed layers whose skipped "
+                     "tokens keep no K/V)")
 PREFILL_NOTE = ("the prompt is fed through the decode graph one token per step (exactly the causal decisions of "
                 "`modcli generate`); there is no batched causal prefill graph")
 
@@ -321,10 +323,11 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
         graphs["decode"]["cache"] = {
             "n_layers": model_config.n_layers, "n_heads": model_config.kv_heads, "head_dim": model_config.head_dim,
             "dtype": config.dtype, "routed_layers": model_config.routed_layers(), "capacity": [num, den],
-            "every_row_layers": [layer for layer in range(model_config.n_layers)
-                                 if not model_config.attention_is_routed(layer)],
+            "kv_layers": model_config.kv_layers(),
+            "every_row_layers": [layer for layer in model_config.kv_layers()
+                                 if not model_config.kv_is_routed(layer)],
             "processed_row_layers": [layer for layer in range(model_config.n_layers)
-                                     if model_config.attention_is_routed(layer)],
+                                     if model_config.kv_is_routed(layer)],
             "update": CACHE_UPDATE_NOTE, "prefill": PREFILL_NOTE}
     if "forward" in graphs and not model_config.dense:
         graphs["forward"]["capacity"] = {"fraction": [num, den], "k": "max(1, T * num // den), computed in the graph"}

@@ -28,18 +28,27 @@ def sensitivity(
     loss when it is removed for every token, when a random share of tokens skips it (skipped tokens are left out of
     the attention, keys and values included), and Block Influence 1 - cos(x, x + f(x)). Dense models only (an
     imported run, or one trained with --dense); a routed run is refused."""
+    from modcli.evaluation.sensitivity import measured_map, plan_from
+
     config = SensitivityConfig(checkpoint=checkpoint, **flags)
     progress = None if json_output else (lambda block, blocks, seconds: stderr.print(
         f"block {block + 1}/{blocks} measured ({seconds:.1f} s)", highlight=False))
-    result = modcli.sensitivity(config, on_block=progress)
+    result = measured_map(config) if config.measured else modcli.sensitivity(config, on_block=progress)
+    plan = plan_from(config, result) if config.plan else None
     if json_output:
-        print_json(dataclasses.asdict(result))
+        print_json({**dataclasses.asdict(result), **({"plan": dataclasses.asdict(plan)} if plan else {})})
         return
+    if plan is not None:
+        _print_plan(plan)
+        if config.measured:
+            return
     table = Table(title=f"{result.checkpoint} ({result.kind}) on {result.corpus}: {result.windows} windows of "
                         f"{result.seq_len} tokens, dense loss {result.dense_loss:.4f}; sorted by the cost of the drop")
     shares = [share_key(share) for share in result.shares]
+    kv_kept = [key for key in shares if all(key in r.share_losses_kv_kept for r in result.results)]  # older maps: none
     for column in ("block", "part", "drop loss", "drop cost", *(f"{key} skip loss" for key in shares),
-                   *(f"{key} skip cost" for key in shares), "block influence"):
+                   *(f"{key} skip cost" for key in shares), *(f"{key} skip cost, K/V kept" for key in kv_kept),
+                   "block influence"):
         table.add_column(column, justify="left" if column == "part" else "right")
 
     def cost(loss: float) -> str:
@@ -48,7 +57,16 @@ def sensitivity(
     for r in sorted(result.results, key=lambda r: r.drop_loss, reverse=True):
         table.add_row(str(r.block), r.part, f"{r.drop_loss:.4f}", cost(r.drop_loss),
                       *(f"{r.share_losses[key]:.4f}" for key in shares),
-                      *(cost(r.share_losses[key]) for key in shares), f"{r.block_influence:.4f}")
+                      *(cost(r.share_losses[key]) for key in shares),
+                      *(cost(r.share_losses_kv_kept[key]) for key in kv_kept), f"{r.block_influence:.4f}")
     (stdout if stdout.is_terminal else Console(width=160)).print(table)
     stderr.print(f"measured in {result.seconds:.1f} s" + (f"; heatmap: {result.plot}" if result.plot else ""),
                  highlight=False)
+
+
+def _print_plan(plan) -> None:
+    stdout.print(f"plan ({plan.path}): --drop {plan.drop}", highlight=False, soft_wrap=True)
+    stdout.print(f"forward FLOPs {plan.flops_ratio:.3f} of the model's at T {plan.seq_len} (target "
+                 f"{plan.target_flops:g}); predicted loss {plan.predicted_loss:.4f} against {plan.dense_loss:.4f} "
+                 f"({(plan.predicted_loss - plan.dense_loss) / plan.dense_loss:+.1%}; the cuts' costs added, each "
+                 "measured alone: modcli eval the converted model)", highlight=False, soft_wrap=True)

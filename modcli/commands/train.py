@@ -82,7 +82,7 @@ def train(
     stdout.print(key_value_table(title, [
         ("steps", str(result.steps)),
         ("parameters", f"{result.parameters:,}"),
-        ("train loss", f"{result.train_loss:.4f}"),
+        ("train loss", f"{result.train_loss:.4f}" if result.steps else "none (--max-steps 0: not trained)"),
         *validation,
         ("tokens", f"{result.tokens:,}"),
         ("training FLOPs", human(result.flops)),

@@ -74,6 +74,13 @@ class ModelConfig(RoutingLayout):
     keep_first: int = 0
     """Routed blocks always process the tokens at positions 0..N-1 of a sequence (the attention sink a pretrained
     model leans on), in every routing mode; 0 = none."""
+    keep_skipped_kv: bool = False
+    """Routed attention (--route-part block or attention): a skipped token still computes and stores its keys and
+    values (no query, output projection or MLP), so the processed tokens attend to every earlier token."""
+    drop: str = ""
+    """Static drops: sublayers removed for every token, e.g. attention:25-29,mlp:28 (block:N = both): they compute
+    nothing, hold no weights and a dropped attention stores no keys and values. The --route-every pattern passes
+    over blocks with a drop; --route-layers may not name one. "" = none."""
     dropout: float = 0.0
     """Dropout on attention weights and on block deltas during training."""
     tie_embeddings: bool = True

@@ -14,6 +14,7 @@ from dataclasses import fields
 from fractions import Fraction
 from typing import Self
 
+from modcli.config.drops import format_drops, parse_drops
 from modcli.config.validation import require
 from modcli.config.variant_options import build_options
 from modcli.models.families import DEFAULT_FAMILY, FAMILIES, Family
@@ -23,7 +24,7 @@ ROUTER_WEIGHTS = ("sigmoid", "identity", "none", "unit")
 ROUTE_PARTS = ("block", "attention", "mlp")
 ROUTING_MODES = ("topk", "router", "predictor")
 MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
-                      "route_part", "predictor_hidden", "keep_first")
+                      "route_part", "predictor_hidden", "keep_first", "keep_skipped_kv")
 """ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers (the router
 kinds' own options with them: `router_options` stays the default router's defaults)."""
 EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts",
@@ -56,6 +57,9 @@ class RoutingLayout:
         require(self.router in ROUTER_KINDS, f"--router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
         require(self.route_part in ROUTE_PARTS,
                 f"--route-part must be one of {', '.join(ROUTE_PARTS)}, got {self.route_part!r}")
+        require(not self.keep_skipped_kv or self.route_part != "mlp",
+                "--keep-skipped-kv: with --route-part mlp every token already attends and stores its keys and values; "
+                "it needs --route-part block or attention")
         require(self.router_hidden >= 0, f"--router-hidden must be >= 0, got {self.router_hidden}")
         require(self.experts >= 0, f"--experts must be >= 0, got {self.experts}")
         require(self.noop_experts >= 0, f"--noop-experts must be >= 0, got {self.noop_experts}")
@@ -79,11 +83,30 @@ class RoutingLayout:
         if router.decodes_with_predictor and self.route_every:
             require(self.predictor_hidden > 0, f"--router {self.router} decodes with a predictor: --predictor-hidden "
                                                "must be > 0")
+        self._check_drops()
         if router.reads_previous_attention and self.route_every:
             require(all(layer >= 1 and not self.is_routed(layer - 1) for layer in self.routed_layers()),
                     f"--router {self.router} reads the attention maps of the block before each routed block, which "
                     "must be dense: route no block 0 and no two blocks in a row (e.g. --route-every 2 --route-offset "
                     "1)")
+
+    def _check_drops(self) -> None:
+        """--drop: parsed and kept canonical; only where the family can drop, never in a routed block, never the
+        attention an attention-reading router (A-MoD) reads."""
+        self._drops = parse_drops(self.drop, self.n_layers)
+        self.drop = format_drops(self._drops)
+        if not self._drops:
+            return
+        require(self.family.static_drops, f"--drop: --arch {self.arch} cannot drop sublayers (its blocks are shared "
+                                          "or decode at several depths); --arch mod can")
+        dropped = sorted({*self._drops.get("attention", ()), *self._drops.get("mlp", ())})
+        routed = [layer for layer in dropped if self.in_route_set(layer)]
+        require(not routed, f"--drop: block {routed[0] if routed else 0} is also in --route-layers: a block is "
+                            "dropped or routed, not both")
+        if ROUTER_KINDS[self.router].reads_previous_attention and not self.dense:
+            readers = [layer for layer in self.routed_layers() if self.attention_dropped(layer - 1)]
+            require(not readers, f"--drop: --router {self.router} reads the attention of block "
+                                 f"{readers[0] - 1 if readers else 0}, which is dropped")
 
     def _check_expert_routing(self, integrated: bool) -> None:
         """--expert-routing and what hash routing (a fixed table, no gate) cannot do."""
@@ -124,6 +147,30 @@ class RoutingLayout:
                 require(getattr(self, name) == defaults[name],
                         f"--{name.replace('_', '-')}: --arch {self.arch} has dense MLPs (no experts)")
 
+    def attention_dropped(self, layer: int) -> bool:
+        """--drop: the block has no attention (no K/V projections, no KV cache)."""
+        return layer in self._dropped("attention")
+
+    def mlp_dropped(self, layer: int) -> bool:
+        """--drop: the block has no MLP."""
+        return layer in self._dropped("mlp")
+
+    def _dropped(self, part: str) -> tuple[int, ...]:
+        drops = getattr(self, "_drops", None)
+        if drops is None:  # before __post_init__ parsed it
+            drops = self._drops = parse_drops(self.drop, self.n_layers)
+        return drops.get(part, ())
+
+    def kept_part(self, layer: int) -> str | None:
+        """What a block computes after --drop: block (attention and MLP), attention, mlp, or None (nothing: the
+        block is the identity)."""
+        attention, mlp = not self.attention_dropped(layer), not self.mlp_dropped(layer)
+        return "block" if attention and mlp else "attention" if attention else "mlp" if mlp else None
+
+    def kv_layers(self) -> list[int]:
+        """The layers that hold a KV cache (every layer whose attention is not dropped)."""
+        return [layer for layer in range(self.n_layers) if not self.attention_dropped(layer)]
+
     @property
     def family(self) -> Family:
         """The model family's spec (--arch): its routing layout, options, losses, decoding and export rules."""
@@ -137,13 +184,16 @@ class RoutingLayout:
     @property
     def kind(self) -> str:
         """What the model is, in words: dense, MoE, MoD, staged MoDE, integrated MoDE, early exit, MoR."""
-        return self.family.describe(self)
+        drops = f", dropped {self.drop}" if self.drop else ""
+        return self.family.describe(self) + drops
 
     def in_route_set(self, layer: int) -> bool:
-        """The layer is one that --route-every / --route-offset / --route-layers name."""
+        """The layer is one that --route-every / --route-offset / --route-layers name (the --route-every pattern
+        leaves out blocks with a --drop)."""
         if self.route_layers is not None:
             return layer in self.route_layers
-        return self.route_every > 0 and layer % self.route_every == self.route_offset % self.route_every
+        return (self.route_every > 0 and layer % self.route_every == self.route_offset % self.route_every
+                and self.kept_part(layer) == "block")  # the pattern passes over blocks --drop cut
 
     def is_routed(self, layer: int) -> bool:
         """The block has a router that picks which tokens it processes (the family's rule; `layer` counts the
@@ -173,6 +223,11 @@ class RoutingLayout:
         """The layer's attention (and so its KV cache) covers only the tokens its router selects."""
         return self.is_routed(layer) and self.route_part != "mlp"
 
+    def kv_is_routed(self, layer: int) -> bool:
+        """Only the tokens the layer's router selects store K/V (its KV cache holds the processed tokens only): its
+        attention is routed and skipped tokens keep no keys and values (no --keep-skipped-kv)."""
+        return self.attention_is_routed(layer) and not self.keep_skipped_kv
+
     def mlp_is_routed(self, layer: int) -> bool:
         return self.is_routed(layer) and self.route_part != "attention"
 
@@ -193,11 +248,12 @@ class RoutingLayout:
     def dense_twin(self) -> Self:
         """The same shape with routing switched off: no MoD router, no no-op experts; an MoE MLP stays an MoE MLP
         (`train --dense --experts 4` is MoE alone). Another family's twin is the plain MoD decoder without routing
-        (early exit: the same blocks without layer dropout, exit loss or exit decoding)."""
+        (early exit: the same blocks without layer dropout, exit loss or exit decoding). Static drops (--drop) are
+        put back: the twin is the whole model."""
         defaults = {f.name: f.default for f in fields(self)}
         keeps_router = ROUTER_KINDS[self.router].selects_tokens
         router = self.router if keeps_router else defaults["router"]
-        return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0,
+        return dataclasses.replace(self, route_every=0, route_layers=None, router=router, noop_experts=0, drop="",
                                    arch=DEFAULT_FAMILY, family_options=None,
                                    router_options=self.router_options if keeps_router else None)
 

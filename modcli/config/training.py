@@ -34,7 +34,8 @@ class TrainConfig:
     warmup: int = 20
     """Linear warm-up steps."""
     max_steps: int = 300
-    """Optimiser steps (also the length of the cosine schedule)."""
+    """Optimiser steps (also the length of the cosine schedule); 0 with --init-from writes the converted model
+    untrained."""
     flops_budget: float = 0.0
     """Stop once this many training FLOPs (forward + backward, `modcli.models.flops.training_flops`) are spent; 0 = no budget."""
     weight_decay: float = 0.1
@@ -101,9 +102,12 @@ class TrainConfig:
     """Under torchrun: ddp (replicated) or fsdp (FSDP2 fully_shard per block)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "log_every", "keep"):
+        for name in ("batch_size", "grad_accum", "eval_every", "eval_batches", "log_every", "keep"):
             value = getattr(self, name)
             require(value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        require(self.max_steps >= 1 or (self.max_steps == 0 and self.init_from is not None),
+                f"--max-steps must be >= 1 (0 only with --init-from: the converted model, untrained), got "
+                f"{self.max_steps}")
         require(self.lr > 0, f"--lr must be positive, got {self.lr}")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         require(self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}")

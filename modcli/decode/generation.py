@@ -286,7 +286,7 @@ def _decode(config: GenerateConfig, model: MoDDecoder, tokenizer: Tokenizer, rou
 
     positions = cache.positions.sum().item()
     processed = {f"block{layer}": cache.layers[layer].lengths.sum().item() / positions
-                 for layer in model.config.routed_layers() if model.config.attention_is_routed(layer)}
+                 for layer in model.config.routed_layers() if model.config.kv_is_routed(layer)}
     return GenerateResult(
         texts=[tokenizer.decode(out) for out in outputs], tokens=outputs,
         new_tokens=batch * config.max_new_tokens, prefill_s=prefill_s, decode_s=decode_s,

@@ -132,17 +132,21 @@ def attend_cache_and_self(q: Tensor, keys: Tensor, values: Tensor, lengths: Tens
 
 
 def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-                  lengths: Tensor, part: str = "block", token_ids: Tensor | None = None
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+                  lengths: Tensor, part: str = "block", token_ids: Tensor | None = None,
+                  kv_self: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """f(x) for one token per row x (B, 1, D) against the read-only cache, and the token's K/V (B, Hkv, 1, hd).
 
     `part` as in `Block.delta`: block (attention and MLP) or attention. `token_ids` (B, 1): the tokens' ids (a
-    hash-routed MoE MLP reads them). Nothing is written: the caller stores the returned K/V at slot lengths[b] of
-    the rows that keep them (`write_new_rows`, or the runtime).
+    hash-routed MoE MLP reads them). `kv_self`: the token's K/V, already computed (--keep-skipped-kv: every row's,
+    before the routed branch); only the query is computed here then. Nothing is written: the caller stores the
+    returned K/V at slot lengths[b] of the rows that keep them (`write_new_rows`, or the runtime).
     """
     batch = x.shape[0]
     attn = block.attn
-    q, key_self, value_self = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd), (B, Hkv, 1, hd)
+    if kv_self is None:
+        q, key_self, value_self = attn._heads(block.attn_norm(x), cos, sin)  # (B, H, 1, hd), (B, Hkv, 1, hd)
+    else:
+        q, (key_self, value_self) = attn.queries(block.attn_norm(x), cos, sin), kv_self  # (B, H, 1, hd)
     key_self, value_self = key_self.to(keys.dtype), value_self.to(values.dtype)
     out = attend_cache_and_self(q, keys, values, lengths, key_self, value_self).to(q.dtype)  # (B, H, 1, hd)
     attn_update = attn.proj(out.transpose(1, 2).reshape(batch, 1, -1))  # (B, 1, D)
@@ -153,21 +157,25 @@ def _decode_delta(block: Block, x: Tensor, cos: Tensor, sin: Tensor, keys: Tenso
 
 def _process_rows(block: Block, part: str, cap: int, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor,
                   values: Tensor, lengths: Tensor, router_logits: Tensor, decisions: Tensor, token_ids: Tensor,
-                  dynamic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                  dynamic: bool = False, kv_self: tuple[Tensor, Tensor] | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """A routed block on at most `cap` of the B rows (every row that processes the token is among them: the caller
     checked decisions.sum() <= cap): gather those rows and their caches, run the block on (cap, 1, D), write back.
     Returns x (B, 1, D) with skipped rows bit for bit unchanged, and the step's K/V (B, Hkv, 1, hd) (zero for rows
     not computed; their processed flag is false, so nobody stores them). `dynamic`: the batch is an exported graph's
     (symbolic; the caller's branch runs only when it is larger than `cap`): the top-k runs over the B rows and `cap`
-    filler slots, so no shape ties the batch to >= cap."""
+    filler slots, so no shape ties the batch to >= cap. `kv_self`: every row's K/V of this step, made before the
+    branch (--keep-skipped-kv; `_decode_delta`)."""
     batch = x.shape[0]
     if dynamic:  # cap filler slots after the B rows keep the top-k's size valid for any batch; never chosen here
         padded = torch.cat([(~decisions).to(x.dtype), x.new_full((cap,), 2.0)])  # (B + cap,)
         rows = padded.topk(cap, largest=False).indices  # (cap,) processing rows first, then skipping ones
     else:
         rows = (~decisions).to(torch.int32).topk(cap, largest=False).indices  # (cap,) processing rows, then filler
+    row_kv = None if kv_self is None else (kv_self[0][rows], kv_self[1][rows])  # (cap, Hkv, 1, hd) each
     delta, new_keys, new_values = _decode_delta(block, x[rows], cos[rows], sin[rows], keys[rows], values[rows],
-                                                lengths[rows], part, token_ids[rows])  # (cap, 1, D), (cap, Hkv, 1, hd)
+                                                lengths[rows], part, token_ids[rows],
+                                                row_kv)  # (cap, 1, D), (cap, Hkv, 1, hd)
     weight = block.router.weight(router_logits[rows]).unsqueeze(-1)  # (cap, 1, 1)
     updated = residual_update(x[rows], delta, weight, keep=decisions[rows][:, None, None])  # filler rows: x as is
     x = x.index_put((rows,), updated)
@@ -180,11 +188,12 @@ def _process_rows(block: Block, part: str, cap: int, x: Tensor, cos: Tensor, sin
 class DecodeStepGraph(nn.Module):
     """One decode step against a read-only KV cache.
 
-    Inputs: tokens (B,), positions (B,), then per layer keys/values (B, Hkv, slots_L, hd) and lengths (B,).
+    Inputs: tokens (B,), positions (B,), then per layer keys/values (B, Hkv, slots_L, hd) and lengths (B,) (a layer
+    whose attention --drop removed has none: `kv_layers`).
     Outputs (`output_names`): logits (B, V); per layer new_keys/new_values (B, Hkv, 1, hd), the K/V of this
     step's token; per routed layer processed (B,) bool. The caller stores the new K/V at slot lengths[b]: for every
-    row in `every_row_layers` (dense layers, and routed layers whose attention covers every token, --route-part
-    mlp), only for rows with processed[b] in `processed_row_layers` (attention-routed layers); `write_outputs` does
+    row in `every_row_layers` (dense layers, and routed layers whose K/V cover every token: --route-part mlp or
+    --keep-skipped-kv), only for rows with processed[b] in `processed_row_layers` (`kv_is_routed`); `write_outputs` does
     it for torch buffers, the runtime's `CacheSpec.write_rows` for numpy ones. A skipped routed block (`torch.cond`
     / ONNX `If`, taken when no row processes the token) reads no cache memory: it returns x unchanged and zero K/V,
     which nobody stores because processed is false.
@@ -215,11 +224,11 @@ class DecodeStepGraph(nn.Module):
         if export_row_cap and row_cap is None and not config.dense:
             self.row_cap = row_cap_for(EXPORT_ROW_CAP_BATCH, config.capacity)
         self.export_row_cap = export_row_cap
-        self.processed_row_layers = tuple(layer for layer in range(config.n_layers)
-                                          if config.attention_is_routed(layer))
+        self.processed_row_layers = tuple(layer for layer in range(config.n_layers) if config.kv_is_routed(layer))
         self.every_row_layers = tuple(layer for layer in range(config.n_layers)
                                       if layer not in self.processed_row_layers)
         self.routed_layers = tuple(config.routed_layers())
+        self.kv_layers = tuple(config.kv_layers())  # --drop: a layer without attention has no cache inputs
 
     def writes_every_row(self, layer: int) -> bool:
         """True when every row stores this step's K/V in `layer`; False when only rows with processed.L do."""
@@ -234,23 +243,22 @@ class DecodeStepGraph(nn.Module):
 
     @property
     def input_names(self) -> list[str]:
-        return ["tokens", "positions", *[f"{kind}.{layer}" for layer in range(self.model.config.n_layers)
+        return ["tokens", "positions", *[f"{kind}.{layer}" for layer in self.kv_layers
                                          for kind in ("keys", "values", "lengths")]]
 
     @property
     def output_names(self) -> list[str]:
-        return ["logits", *[f"new_{kind}.{layer}" for layer in range(self.model.config.n_layers)
-                            for kind in ("keys", "values")],
+        return ["logits", *[f"new_{kind}.{layer}" for layer in self.kv_layers for kind in ("keys", "values")],
                 *[f"processed.{layer}" for layer in self.routed_layers]]
 
     def write_outputs(self, outputs: tuple[Tensor, ...], cache: list[Tensor]) -> None:
         """Store a step's outputs in the flat cache [keys.0, values.0, lengths.0, ...] in place (lengths too)."""
-        n_layers = self.model.config.n_layers
-        processed = dict(zip(self.routed_layers, outputs[1 + 2 * n_layers:], strict=True))
-        for layer in range(n_layers):
-            keys, values, lengths = cache[3 * layer: 3 * layer + 3]
+        n_kv = len(self.kv_layers)
+        processed = dict(zip(self.routed_layers, outputs[1 + 2 * n_kv:], strict=True))
+        for slot, layer in enumerate(self.kv_layers):
+            keys, values, lengths = cache[3 * slot: 3 * slot + 3]
             writes = None if self.writes_every_row(layer) else processed[layer]
-            new_keys, new_values = outputs[1 + 2 * layer: 3 + 2 * layer]
+            new_keys, new_values = outputs[1 + 2 * slot: 3 + 2 * slot]
             lengths.copy_(write_new_rows(keys, values, lengths, new_keys, new_values, writes))
 
     def forward(self, tokens: Tensor, positions: Tensor, *cache: Tensor) -> tuple[Tensor, ...]:
@@ -262,10 +270,15 @@ class DecodeStepGraph(nn.Module):
         new_rows: list[Tensor] = []
         processed: list[Tensor] = []
         zero_rows: Tensor | None = None  # a skipped routed block's K/V (made at the first routed block)
+        slot_of = {layer: slot for slot, layer in enumerate(self.kv_layers)}
         for layer, block in enumerate(model.blocks):
-            keys, values, lengths = cache[3 * layer: 3 * layer + 3]
+            if layer not in slot_of:  # --drop: no attention and no cache; the MLP if it is kept
+                if block.mlp is not None:
+                    x = x + block.mlp(block.mlp_norm(x), token_ids).to(x.dtype)
+                continue
+            keys, values, lengths = cache[3 * slot_of[layer]: 3 * slot_of[layer] + 3]
             if not block.routed:
-                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths,
+                delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths, block.kept,
                                                             token_ids=token_ids)
                 x = x + delta.to(x.dtype)
                 new_rows += [new_keys, new_values]
@@ -292,10 +305,16 @@ class DecodeStepGraph(nn.Module):
                 processed.append(decisions)
                 continue
 
-            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows,
+            # --keep-skipped-kv: every row's K/V are made and stored outside the branch; the branch computes the
+            # processed rows' queries and the rest of the routed work (its K/V outputs are these, passed through).
+            kv_self = ()  # operands of the branches, after zero_rows
+            if config.keep_skipped_kv:
+                kv_self = tuple(kv.to(keys.dtype) for kv in block.attn.keys_values(block.attn_norm(x), cos, sin))
+
+            def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows, *kv_self,
                         block=block, part=part):
                 delta, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths, part,
-                                                            token_ids)
+                                                            token_ids, kv_self or None)
                 weight = block.router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
                 x = residual_update(x, delta, weight, keep=decisions[:, None, None])  # skipped rows: x bit for bit
                 # Fresh (B, Hkv, 1, hd) tensors: both branches of a cond must return the same layout, and these are
@@ -303,7 +322,7 @@ class DecodeStepGraph(nn.Module):
                 return (x, new_keys.clone(memory_format=torch.contiguous_format),
                         new_values.clone(memory_format=torch.contiguous_format))
 
-            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows):
+            def skip(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows, *kv_self):
                 # No cache input is read here: the step's K/V are the zeros made once per step (a copy: a branch
                 # returns no alias of its inputs), so a skipped block runs no operator that builds a shape.
                 return x.clone(), zero_rows.clone(), zero_rows.clone()
@@ -313,25 +332,28 @@ class DecodeStepGraph(nn.Module):
                 all_rows = process
 
                 def process(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows,
-                            block=block, part=part, all_rows=all_rows, cap=self.row_cap,
+                            *kv_self, block=block, part=part, all_rows=all_rows, cap=self.row_cap,
                             dynamic=self.export_row_cap):
-                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows):
+                    def capped(x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows,
+                               *kv_self):
                         return _process_rows(block, part, cap, x, cos, sin, keys, values, lengths, router_logits,
-                                             decisions, token_ids, dynamic)
+                                             decisions, token_ids, dynamic, kv_self or None)
 
                     few = decisions.sum() <= cap
                     if dynamic:  # the batch is the graph's own: only a batch larger than the cap gathers
                         few = few & (torch.ones_like(decisions, dtype=torch.int64).sum() > cap)
                     return torch.cond(few, capped, all_rows,
                                       (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids,
-                                       zero_rows))
+                                       zero_rows, *kv_self))
 
             if zero_rows is None:  # every layer's K/V rows have one shape and the cache's dtype
                 zero_rows = torch.zeros((x.shape[0], config.kv_heads, 1, config.head_dim), dtype=keys.dtype,
                                         device=x.device)
             x, new_keys, new_values = self._branch(
                 decisions, process, skip,
-                (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows))
+                (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows, *kv_self))
+            if kv_self:  # every row's K/V, stored for every row (`every_row_layers`); the branch's copies unused
+                new_keys, new_values = kv_self
             if rule.after:  # only attention was routed; the MLP runs on every row
                 x = x + block.mlp(block.mlp_norm(x), token_ids)
             new_rows += [new_keys, new_values]

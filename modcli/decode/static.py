@@ -37,15 +37,16 @@ class StaticDecodeStep(nn.Module):
     def __init__(self, graph: DecodeStepGraph, cache: DecoderCache) -> None:
         super().__init__()
         self.graph = graph
-        self.n_layers = len(cache.layers)
-        for layer, layer_cache in enumerate(cache.layers):  # the cache's own tensors: one storage, two owners
+        self.kv_layers = graph.kv_layers  # --drop: layers without attention have no cache
+        for layer in self.kv_layers:  # the cache's own tensors: one storage, two owners
+            layer_cache = cache.layers[layer]
             self.register_buffer(f"keys_{layer}", layer_cache.keys, persistent=False)
             self.register_buffer(f"values_{layer}", layer_cache.values, persistent=False)
             self.register_buffer(f"lengths_{layer}", layer_cache.lengths, persistent=False)
         self.register_buffer("positions", cache.positions, persistent=False)
 
     def flat_cache(self) -> list[Tensor]:
-        return [getattr(self, f"{kind}_{layer}") for layer in range(self.n_layers)
+        return [getattr(self, f"{kind}_{layer}") for layer in self.kv_layers
                 for kind in ("keys", "values", "lengths")]
 
     def forward(self, tokens: Tensor) -> Tensor:

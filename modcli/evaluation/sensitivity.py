@@ -5,10 +5,11 @@ averaged over the tokens (ShortGPT's BI, here per part).
 
 A sublayer is removed from outside the decoder, by forward hooks on `block.attn` and `block.mlp`: the block is
 pre-norm residual (x + attn(norm(x)), then + mlp(norm(.))), so a zero attention or MLP update is that sublayer
-removed (tests/evaluation/test_sensitivity.py checks it against a hand-written forward). For a share, the skipped
-tokens are taken out of the attention altogether (no query, no key, no value: the kept tokens attend among
-themselves at their original positions, as an MoD routed block does) and get a zero MLP update; keeping the
-skipped tokens' keys and values (issue 52, item 3) is not measured here.
+removed (tests/evaluation/test_sensitivity.py checks it against a hand-written forward). For a share, measured two
+ways: the skipped tokens taken out of the attention altogether (no query, no key, no value: the kept tokens attend
+among themselves at their original positions, as an MoD routed block does; `share_losses`), and the skipped tokens
+keeping their keys and values for the others (no query, no update: the kept tokens attend to every earlier token,
+as a routed block with --keep-skipped-kv does; `share_losses_kv_kept`). Either way they get a zero MLP update.
 
 Each (block, part) forward starts from the dense hidden state entering that block, computed once per batch: the
 blocks before it are the dense model's, so removing block i costs L - i blocks, not L. Those states are held for
@@ -18,10 +19,11 @@ every window at once (windows x T x D x L numbers: 8 windows of 256 tokens of Sm
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modcli.checkpoint.store import load_model_from
+from modcli.checkpoint.store import load_model_from, read_config, resolve_checkpoint
 from modcli.config import DataConfig
 from modcli.data.corpus import evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
 from modcli.errors import UserError
+from modcli.evaluation.plan import Plan, plan_drops, write_plan
 from modcli.evaluation.sensitivity_config import PARTS, SensitivityConfig, share_key
 from modcli.hardware import autocast, resolve_device
 from modcli.models.decoder import Block, MoDDecoder, config_rope
@@ -58,6 +61,9 @@ class PartSensitivity:
     """Per share ("0.125"): the loss when that share of tokens, chosen at random, skips the sublayer."""
     block_influence: float
     """1 - cos(x, x + f(x)) of the sublayer's update f in the dense model, averaged over the tokens."""
+    share_losses_kv_kept: dict[str, float] = field(default_factory=dict)
+    """Per share: the same, the skipped tokens keeping their keys and values for the others (--keep-skipped-kv;
+    the MLP's equal `share_losses`); empty in maps saved before it was measured."""
 
 
 @dataclass
@@ -78,7 +84,8 @@ class SensitivityResult:
     results: list[PartSensitivity]
     """Every block's attention, mlp and block, in block order."""
     kv_kept: bool = False
-    """Whether skipped tokens keep their keys and values for the others (not yet: they are left out)."""
+    """Whether `share_losses` were measured with skipped tokens keeping their keys and values for the others: always
+    False (they are left out there); `share_losses_kv_kept` holds the shares measured with them kept."""
     seed: int = 1337
     seconds: float = 0.0
     """Wall time of the measurement (model loading and corpus reading excluded)."""
@@ -89,10 +96,11 @@ class SensitivityResult:
 
 
 @contextlib.contextmanager
-def removed(block: Block, part: str, kept: Tensor | None = None) -> Iterator[None]:
+def removed(block: Block, part: str, kept: Tensor | None = None, keep_kv: bool = False) -> Iterator[None]:
     """Inside: `part` (attention, mlp or block) of `block` removed, by forward hooks. `kept` None: for every token;
     else (B, k) the positions, ascending, of the tokens that still run it: the others skip, attention among the
-    kept tokens only (their original positions for RoPE and the causal mask), a zero MLP update."""
+    kept tokens only (their original positions for RoPE and the causal mask), or with `keep_kv` the kept tokens'
+    queries over every token's keys and values; a zero MLP update."""
     sublayers = route_part(part)
     handles = []
     try:
@@ -100,7 +108,7 @@ def removed(block: Block, part: str, kept: Tensor | None = None) -> Iterator[Non
             if kept is None:
                 handles.append(block.attn.register_forward_hook(_zero_update))
             else:
-                handles += _attention_among(block.attn, kept)
+                handles += _attention_among(block.attn, kept, keep_kv)
         if sublayers.mlp:
             handles.append(block.mlp.register_forward_hook(
                 _zero_update if kept is None else _masked_update(kept)))
@@ -122,16 +130,19 @@ def _masked_update(kept: Tensor) -> Callable:
     return hook
 
 
-def _attention_among(attention: nn.Module, kept: Tensor) -> list:
-    """Hooks making `attention` (called as attn(x, cos, sin, prefill, received), x (B, T, D), cos/sin (1 or B, T,
-    hd/2)) run on the tokens at `kept` (B, k) only and return their update at their positions, zero elsewhere."""
+def _attention_among(attention: nn.Module, kept: Tensor, keep_kv: bool = False) -> list:
+    """Hooks making `attention` (called as attn(x, cos, sin, prefill, received, context), x (B, T, D), cos/sin (1 or
+    B, T, hd/2)) run on the tokens at `kept` (B, k) only and return their update at their positions, zero elsewhere.
+    `keep_kv`: every token's keys and values stay in the attention (the kept tokens' queries only: `context`)."""
     length = {}
 
     def gather(module: nn.Module, args: tuple) -> tuple:
-        x, cos, sin, *rest = args
+        x, cos, sin, prefill, received, *_ = (*args, None, None, None)
         batch, length["T"] = x.shape[0], x.shape[1]
         cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)  # (B, T, hd/2)
-        return (gather_tokens(x, kept), gather_tokens(cos, kept), gather_tokens(sin, kept), *rest)  # (B, k, .)
+        context = (*module.keys_values(x, cos, sin), kept) if keep_kv else None  # every token's K/V (B, Hkv, T, hd)
+        return (gather_tokens(x, kept), gather_tokens(cos, kept), gather_tokens(sin, kept), prefill, received,
+                context)  # (B, k, .)
 
     def scatter(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
         batch, _, d_model = output.shape  # (B, k, D)
@@ -230,6 +241,31 @@ def sensitivity(config: SensitivityConfig,
     return result
 
 
+def measured_map(config: SensitivityConfig) -> SensitivityResult:
+    """--measured: the map a `modcli sensitivity --json` run saved, checked to be of this checkpoint."""
+    path = Path(config.measured)
+    try:
+        saved = json.loads(path.read_text())
+        results = [PartSensitivity(**r) for r in saved.pop("results")]
+        result = SensitivityResult(**saved, results=results)
+    except FileNotFoundError:
+        raise UserError(f"--measured: {path} does not exist") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise UserError(f"--measured: {path} is not a map saved by modcli sensitivity --json "
+                        f"({' '.join(str(exc).split())[:120]})") from None
+    if Path(result.checkpoint).resolve() != resolve_checkpoint(config.checkpoint).resolve():
+        raise UserError(f"--measured: {path} maps {result.checkpoint}, not {config.checkpoint}")
+    return result
+
+
+def plan_from(config: SensitivityConfig, result: SensitivityResult) -> Plan:
+    """--plan: the cheapest static drops meeting --target-flops (modcli.evaluation.plan), written as TOML."""
+    model = read_config(Path(result.checkpoint)).model
+    plan = plan_drops(model, result.results, result.dense_loss, result.seq_len, config.target_flops)
+    write_plan(plan, config.plan, result.checkpoint)
+    return plan
+
+
 def _measure(model: MoDDecoder, batches: list[tuple[Tensor, Tensor]], kept: list[dict[float, Tensor]],
              config: SensitivityConfig, done: Callable[[int], None]) -> tuple[list[PartSensitivity], float]:
     """The dense pass of every batch (its loss, hidden states and Block Influence), then block by block each
@@ -242,20 +278,22 @@ def _measure(model: MoDDecoder, batches: list[tuple[Tensor, Tensor]], kept: list
         influence = {part: influence[part] + scores[part] for part in PARTS}  # (L,) each
     n = len(batches)
 
-    def loss(layer: int, part: str, share: float | None) -> float:
+    def loss(layer: int, part: str, share: float | None, keep_kv: bool = False) -> float:
         total = 0.0
         for index, (inputs, targets) in enumerate(batches):
-            with removed(model.blocks[layer], part, None if share is None else kept[index][share]):
+            with removed(model.blocks[layer], part, None if share is None else kept[index][share], keep_kv):
                 total += lm_loss(blocks_from(model, hidden[index][layer], layer, inputs), targets).item()
         return total / n
 
     results = []
     for layer in range(len(model.blocks)):
         for part in PARTS:
-            results.append(PartSensitivity(
-                layer, part, loss(layer, part, None),
-                {share_key(share): loss(layer, part, share) for share in config.shares},
-                (influence[part][layer] / n).item()))
+            share_losses = {share_key(share): loss(layer, part, share) for share in config.shares}
+            # keeping K/V changes nothing where attention runs for every token (the MLP alone)
+            kv_kept = (share_losses if not route_part(part).attention
+                       else {share_key(share): loss(layer, part, share, keep_kv=True) for share in config.shares})
+            results.append(PartSensitivity(layer, part, loss(layer, part, None), share_losses,
+                                           (influence[part][layer] / n).item(), dict(kv_kept)))
         done(layer)
     return results, dense_total / n
 

@@ -38,6 +38,14 @@ class SensitivityConfig:
     """Seed of the random choice of skipping tokens (the same tokens for every block and part)."""
     plot: str | None = None
     """Write a heatmap PNG of the loss increase of each drop (blocks x parts; needs matplotlib)."""
+    plan: str | None = None
+    """Write a plan TOML here: the cheapest static drops (measured cost per FLOP saved) that bring the forward FLOPs
+    to --target-flops of the model's; `modcli train --init-from RUN --config PLAN --max-steps 0` converts."""
+    target_flops: float = 0.8
+    """--plan: the planned model's forward FLOPs as a share of the model's, in (0, 1), at the window length."""
+    measured: str | None = None
+    """A map saved by `modcli sensitivity --json`: plan from it without measuring again (its checkpoint must be this
+    one)."""
 
     def __post_init__(self) -> None:
         require(bool(self.shares), "--shares: give at least one share")
@@ -51,6 +59,11 @@ class SensitivityConfig:
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         require(self.plot is None or self.plot.lower().endswith(".png"), f"--plot must name a .png file, got {self.plot!r}")
+        require(0 < self.target_flops < 1, f"--target-flops must be in (0, 1), got {self.target_flops}")
+        require(self.plan is None or self.plan.lower().endswith(".toml"), f"--plan must name a .toml file, got "
+                                                                          f"{self.plan!r}")
+        require(self.measured is None or self.plan is not None, "--measured: give --plan PLAN.toml (it plans from "
+                                                                 "a saved map)")
 
 
 def share_key(share: float) -> str:

@@ -1,7 +1,8 @@
 """KV cache for decoding: one preallocated buffer per layer, written by slot, lengths per sequence.
 
 A dense block stores every token. A routed block stores K/V only for the tokens it processed (already rotated
-by RoPE at their original positions, in causal order), so its cache is really shorter. Routed buffers start
+by RoPE at their original positions, in causal order), so its cache is really shorter; with --keep-skipped-kv (or
+--route-part mlp) it stores every token, like a dense block (`kv_is_routed`). Routed buffers start
 small and double when full, so memory follows what was stored rather than the longest possible sequence.
 """
 
@@ -175,12 +176,16 @@ class DecoderCache:
     @classmethod
     def allocate(cls, config, batch: int, max_tokens: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, static: bool = False) -> DecoderCache:
-        """Dense layers get `max_tokens` slots up front; routed layers start at the top-k share and grow, unless
-        `static` (every layer preallocated for max_tokens, gpt-fast style: fixed shapes and addresses for a compiled
-        decode step, at the price of the memory a routed layer would save)."""
+        """Dense layers (and routed ones that store every token's K/V: `kv_is_routed` false) get `max_tokens` slots
+        up front; routed layers start at the top-k share and grow, unless `static` (every layer preallocated for
+        max_tokens, gpt-fast style: fixed shapes and addresses for a compiled decode step, at the price of the memory
+        a routed layer would save)."""
         layers = []
         for layer in range(config.n_layers):
-            if config.attention_is_routed(layer) and not static:
+            if config.attention_dropped(layer):  # --drop: no attention, no cache (an empty one keeps the indices)
+                layers.append(LayerKVCache(batch, config.kv_heads, config.head_dim, 0, 0, device, dtype, static))
+                continue
+            if config.kv_is_routed(layer) and not static:
                 slots = min(max_tokens, max(16, 2 * config.capacity_tokens(max_tokens)))
             else:
                 slots = max_tokens

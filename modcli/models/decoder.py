@@ -147,24 +147,55 @@ class Attention(nn.Module):
             [self.n_heads, self.n_kv_heads], dim=1)  # (B, H, n, hd), (B, Hkv, n, hd)
         return q, k, heads[:, :, rotated_heads:].transpose(1, 2)
 
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v (B, Hkv, n, hd) of the n tokens x (B, n, D), RoPE applied to k: the K/V rows of the fused projection
+        only (--keep-skipped-kv: every token's keys and values, no queries)."""
+        batch, n, _ = x.shape
+        q_width = self.sizes[0]
+        bias = self.qkv.bias[q_width:] if self.qkv.bias is not None else None
+        heads = F.linear(x, self.qkv.weight[q_width:], bias).view(batch, n, 2 * self.n_kv_heads,
+                                                                   self.head_dim)  # (B, n, 2 Hkv, hd)
+        k = apply_rope(heads[:, :, :self.n_kv_heads], cos, sin).transpose(1, 2)  # (B, Hkv, n, hd)
+        return k, heads[:, :, self.n_kv_heads:].transpose(1, 2)
+
+    def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """q (B, H, n, hd) of the n tokens x (B, n, D), RoPE applied: the query rows of the fused projection only."""
+        batch, n, _ = x.shape
+        q_width = self.sizes[0]
+        bias = self.qkv.bias[:q_width] if self.qkv.bias is not None else None
+        q = F.linear(x, self.qkv.weight[:q_width], bias).view(batch, n, self.n_heads, self.head_dim)  # (B, n, H, hd)
+        return apply_rope(q, cos, sin).transpose(1, 2)
+
     def share_kv(self, kv: Tensor) -> Tensor:
         """(B, Hkv, L, hd) -> (B, H, L, hd): each key/value head serves n_heads / n_kv_heads query heads."""
         return kv if self.n_kv_heads == self.n_heads else kv.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None, received: dict | None = None) -> Tensor:
+                prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None, received: dict | None = None,
+                context: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """Causal attention among the n given tokens (B, n, D), which are in ascending original order.
 
         With `prefill = (cache, rows, counts)` their K/V are also written to the cache. With a `received` dict, the
         attention probabilities are computed explicitly (no fused kernel) and `received["scores"]` is set to the
         attention each token receives (B, n), position-neutral (A-MoD's score; no gradient; `received_attention`).
+        With `context = (keys, values, positions)` (--keep-skipped-kv: keys/values (B, Hkv, T, hd) of every token,
+        positions (B, n) the original positions of x's tokens), x's tokens are queries only and attend to every key
+        at or before their own position.
         """
         batch, n, d_model = x.shape
+        dropout = self.dropout if self.training else 0.0
+        if context is not None:
+            keys, values, positions = context
+            q = self.queries(x, cos, sin)  # (B, H, n, hd)
+            key_positions = torch.arange(keys.shape[2], device=x.device)  # (T,)
+            visible = key_positions[None, None, :] <= positions[:, :, None]  # (B, n, T) key <= query position
+            out = F.scaled_dot_product_attention(q, self.share_kv(keys), self.share_kv(values),
+                                                 attn_mask=visible[:, None], dropout_p=dropout)  # (B, H, n, hd)
+            return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
         q, k, v = self._heads(x, cos, sin)
         if prefill is not None:
             cache, rows, counts = prefill
             cache.write_prefix(rows, k, v, counts)
-        dropout = self.dropout if self.training else 0.0
         k, v = self.share_kv(k), self.share_kv(v)  # (B, H, n, hd); the cache above holds the Hkv heads only
         if received is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, n, hd)
@@ -176,11 +207,18 @@ class Attention(nn.Module):
             out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
         return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
 
-    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor) -> Tensor:
-        """One new token per row (n, 1, D): append its K/V to the cache rows, attend to the row's cache."""
+    def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor,
+               context: tuple[Tensor, Tensor, Tensor | None] | None = None) -> Tensor:
+        """One new token per row (n, 1, D): append its K/V to the cache rows, attend to the row's cache. With
+        `context = (keys, values, mask)` (--keep-skipped-kv: the rows' cache, this step's K/V already appended, as
+        `LayerKVCache.append` returns it), only the query is computed and nothing is written."""
         n = x.shape[0]
-        q, k, v = self._heads(x, cos, sin)
-        keys, values, mask = cache.append(rows, k, v)  # (n, Hkv, L, hd), (n, 1, 1, L)
+        if context is None:
+            q, k, v = self._heads(x, cos, sin)
+            keys, values, mask = cache.append(rows, k, v)  # (n, Hkv, L, hd), (n, 1, 1, L)
+        else:
+            q = self.queries(x, cos, sin)  # (n, H, 1, hd)
+            keys, values, mask = context
         keys, values = self.share_kv(keys.to(q.dtype)), self.share_kv(values.to(q.dtype))  # (n, H, L, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(n, 1, -1))
@@ -198,18 +236,34 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+def dropped_weight(config: ModelConfig, name: str) -> bool:
+    """`name` (a state-dict key, "blocks.L.attn.qkv.weight") is a weight of a sublayer --drop removes from `config`'s
+    model: a whole model's checkpoint loads into a dropped one without it."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
+        return False
+    layer, module = int(parts[1]), parts[2]
+    return ((module in ("attn", "attn_norm") and config.attention_dropped(layer))
+            or (module in ("mlp", "mlp_norm") and config.mlp_dropped(layer)))
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.config = config
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
-                           config.expert_capacity_factor, config.noop_experts_of(layer), config.expert_weight,
-                           config.expert_routing, config.vocab_size)
-                    if config.experts else SwiGLU(config))
+        # --drop: a dropped sublayer has no modules (no weights, no work); `kept` is what the block computes
+        self.kept = config.kept_part(layer)
+        has_attention, has_mlp = self.kept in ("block", "attention"), self.kept in ("block", "mlp")
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if has_attention else None
+        self.attn = Attention(config) if has_attention else None
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if has_mlp else None
+        self.mlp = None
+        if has_mlp:
+            self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
+                               config.expert_capacity_factor, config.noop_experts_of(layer), config.expert_weight,
+                               config.expert_routing, config.vocab_size)
+                        if config.experts else SwiGLU(config))
         self.delta_dropout = nn.Dropout(config.dropout)
         # Only a hash-routed MoE MLP reads token ids: other blocks gather none (an operator per routed block saved)
         self.mlp_reads_ids = isinstance(self.mlp, MoEMLP) and self.mlp.hashed
@@ -222,14 +276,15 @@ class Block(nn.Module):
         self.next_causal_modes = router_class(config.router).capabilities.causal_modes if self.feeds_router else ()
 
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
-              part: str = "block", token_ids: Tensor | None = None) -> Tensor:
+              part: str = "block", token_ids: Tensor | None = None, context=None) -> Tensor:
         """f(x) of a pre-norm block without the residual: the attention update plus the MLP update (part "block"),
         or only the attention update ("attention") or only the MLP update ("mlp"), as `route_part` names them.
-        `token_ids` (B, n): the ids of x's tokens, which a hash-routed MoE MLP reads."""
+        `token_ids` (B, n): the ids of x's tokens, which a hash-routed MoE MLP reads. `context`: every token's K/V
+        and x's positions (--keep-skipped-kv; `Attention.forward`)."""
         sublayers = route_part(part)
         if not sublayers.attention:
             return self.delta_dropout(self.mlp(self.mlp_norm(x), token_ids))
-        attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received))
+        attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received, context))
         if not sublayers.mlp:
             return attn_update
         mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update), token_ids))
@@ -257,8 +312,10 @@ class Block(nn.Module):
                                                                      dtype=torch.long)  # (B,)
             every_token = (cache, cache_rows, counts)
         if not self.routed:
+            if self.kept is None:  # --drop: both sublayers removed, the block is the identity
+                return x, None
             received = {} if self.feeds_router and routing not in self.next_causal_modes else None
-            x = x + self.delta(x, cos[None], sin[None], every_token, received, token_ids=token_ids)
+            x = x + self.delta(x, cos[None], sin[None], every_token, received, part=self.kept, token_ids=token_ids)
             return x, (received["scores"] if received else None)
 
         router = self.router
@@ -281,18 +338,30 @@ class Block(nn.Module):
         if rule.before:  # attention (and the KV cache) covers every token; only the MLP is routed
             x = x + self.delta(x, cos[None], sin[None], every_token, part=rule.before)
             cache = None
-        x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows, token_ids)
+        x = self.update_selected(x, selection, router_logits, cos, sin, cache, cache_rows, token_ids, every_token)
         if rule.after:  # only attention was routed; the MLP runs on every token
             x = x + self.delta(x, cos[None], sin[None], part=rule.after, token_ids=token_ids)
         return x, record
 
     def update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
                         cache: LayerKVCache | None = None, cache_rows: Tensor | None = None,
-                        token_ids: Tensor | None = None) -> Tensor:
+                        token_ids: Tensor | None = None, every_token=None) -> Tensor:
         """Run the routed part of the block (--route-part) on the selected tokens only and write `x + w * f(x)` back
         at their positions; every other token (and every padding slot) stays x bit for bit. With `cache`, their
-        K/V are written to it (prefill). `token_ids` (B, T): the ids of x's tokens; the MLP gets the selected ones."""
+        K/V are written to it (prefill). `token_ids` (B, T): the ids of x's tokens; the MLP gets the selected ones.
+
+        --keep-skipped-kv (routed attention): every token's K/V are computed (and, with `every_token = (cache, rows,
+        counts)`, cached like a dense layer's), and the selected tokens' queries attend to every key at or before
+        their position; the rest of the routed work is still the selected tokens' only."""
         idx = selection.selected_idx  # (B, k)
+        context = None
+        if self.config.keep_skipped_kv and route_part(self.config.route_part).attention:
+            keys, values = self.attn.keys_values(self.attn_norm(x), cos[None], sin[None])  # (B, Hkv, T, hd) each
+            if every_token is not None:
+                layer_cache, rows, counts = every_token
+                layer_cache.write_prefix(rows, keys, values, counts)
+            context = (keys, values, idx)
+            cache = None  # stored above, every token
         if guard_or_false(idx.shape[1] == 0):  # compiled with k unknown: the general path handles k = 0 too
             if cache is not None:
                 cache.forget(cache_rows)
@@ -301,7 +370,7 @@ class Block(nn.Module):
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None
         selected_ids = token_ids.gather(1, idx) if token_ids is not None and self.mlp_reads_ids else None  # (B, k)
         delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.config.route_part,
-                           token_ids=selected_ids)  # (B, k, D)
+                           token_ids=selected_ids, context=context)  # (B, k, D)
         weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
         keep = None if selection.valid is None else selection.valid.unsqueeze(-1)  # (B, k, 1)
         return scatter_tokens(x, idx, residual_update(x_selected, delta, weight, keep))
@@ -313,9 +382,11 @@ class Block(nn.Module):
         `positions`, made once per step by the caller (`decode_rope`) and shared by every block; None: made here."""
         batch = x.shape[0]
         if not self.routed:
+            if self.kept is None:  # --drop: the identity
+                return x
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
-            return x + self._decode_delta(x, cos, sin, cache, rows, token_ids=token_ids)
+            return x + self._decode_delta(x, cos, sin, cache, rows, self.kept, token_ids)
         router, rule = self.router, route_part(self.config.route_part)
         part = rule.name
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
@@ -325,6 +396,12 @@ class Block(nn.Module):
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
             x = x + self._decode_delta(x, cos, sin, cache, rows, rule.before)  # no MLP: no ids
+        context = None
+        if rule.attention and self.config.keep_skipped_kv:  # every row stores its K/V; only processed rows attend
+            every_row = torch.arange(batch, device=x.device)
+            cos, sin = rope if rope is not None else decode_rope(self.config, positions)  # (B, 1, hd/2)
+            new_keys, new_values = self.attn.keys_values(self.attn_norm(x), cos, sin)  # (B, Hkv, 1, hd)
+            context = cache.append(every_row, new_keys, new_values)  # (B, Hkv, L, hd) x2, mask (B, 1, 1, L) | None
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
@@ -335,7 +412,7 @@ class Block(nn.Module):
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)  # (B, 1, hd/2)
             weight = router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
             ids = token_ids if self.mlp_reads_ids else None  # (B, 1)
-            x = residual_update(x, self._decode_delta(x, cos, sin, cache, rows, part, ids), weight)
+            x = residual_update(x, self._decode_delta(x, cos, sin, cache, rows, part, ids, context), weight)
         elif processed:
             x_rows = x[rows]  # (n, 1, D)
             if rope is None:
@@ -344,20 +421,23 @@ class Block(nn.Module):
                 cos, sin = rope[0][rows], rope[1][rows]  # (n, 1, hd/2)
             weight = router.weight(router_logits[rows]).unsqueeze(-1)  # (n, 1, 1)
             row_ids = token_ids[rows] if token_ids is not None and self.mlp_reads_ids else None  # (n, 1)
-            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids)  # (n, 1, D)
+            if context is not None:  # the processed rows' caches
+                keys, values, mask = context
+                context = (keys[rows], values[rows], mask[rows] if mask is not None else None)
+            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids, context)  # (n, 1, D)
             x = x.index_put((rows,), residual_update(x_rows, delta, weight))
         if rule.after:  # only attention was routed; the MLP runs on every row
             x = x + self.mlp(self.mlp_norm(x), token_ids)
         return x
 
     def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor,
-                      part: str = "block", token_ids: Tensor | None = None) -> Tensor:
+                      part: str = "block", token_ids: Tensor | None = None, context=None) -> Tensor:
         """f(x) of one token per row (n, 1, D) with the KV cache, `token_ids` (n, 1) their ids; `part` as in
-        `delta`."""
+        `delta`; `context`: the rows' cache with this step's K/V already stored (`Attention.decode`)."""
         sublayers = route_part(part)
         if not sublayers.attention:
             return self.mlp(self.mlp_norm(x), token_ids)
-        attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows)
+        attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows, context)
         if not sublayers.mlp:
             return attn_update
         return attn_update + self.mlp(self.mlp_norm(x + attn_update), token_ids)
@@ -386,9 +466,11 @@ class MoDDecoder(nn.Module):
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layers)
         for block in blocks:
-            nn.init.normal_(block.attn.proj.weight, std=residual_std)
-            down = block.mlp.down
-            nn.init.normal_(down if isinstance(down, nn.Parameter) else down.weight, std=residual_std)
+            if block.attn is not None:  # --drop leaves no module
+                nn.init.normal_(block.attn.proj.weight, std=residual_std)
+            if block.mlp is not None:
+                down = block.mlp.down
+                nn.init.normal_(down if isinstance(down, nn.Parameter) else down.weight, std=residual_std)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """Analytic FLOP counts that follow what the model really computes.
 
 A matmul of (m x n) by (n x p) costs 2 m n p FLOPs. A routed block runs attention and MLP on its k selected
-tokens only (k x k attention scores); the router runs on every token. Attention is counted in full (k x k, as
+tokens only (k x k attention scores; with --keep-skipped-kv every token's K/V projection and k x T scores); the
+router runs on every token. Attention is counted in full (k x k, as
 `scaled_dot_product_attention` and `torch.utils.flop_counter` count it), not halved for causality. Element-wise
 work (norms, RoPE, softmax, SiLU, residual adds, gather/scatter) and the embedding lookup are not counted:
 they are a few percent at these sizes and FlopCounterMode does not count them either.
@@ -44,8 +45,9 @@ class FlopBreakdown:
 
 def block_tokens(config: ModelConfig, layer: int, seq_len: int) -> tuple[int, int]:
     """(attention, MLP) tokens a block processes in a forward pass of `seq_len` tokens at the configured capacity
-    (the family's rule, modcli.models.families)."""
-    return config.family.block_tokens(config, layer, seq_len)
+    (the family's rule, modcli.models.families); a sublayer removed by --drop processes none."""
+    attention, mlp = config.family.block_tokens(config, layer, seq_len)
+    return (0 if config.attention_dropped(layer) else attention, 0 if config.mlp_dropped(layer) else mlp)
 
 
 def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = False, batch: int = 1) -> tuple[int, int]:
@@ -82,8 +84,12 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, tr
         n, n_mlp = block_tokens(config, layer, seq_len)
         # a family with layer dropout skips the block for a sequence with probability p (the expected count)
         kept = 1.0 - config.family.layer_dropout(config, layer) if training else 1.0
-        out.attention_proj += batch * round(kept * (2 * n * d * (q_width + 2 * kv_width) + 2 * n * q_width * d))
-        out.attention_scores += batch * round(kept * 2 * 2 * n * n * q_width)  # q k^T and (scores) v, all heads
+        keys = n  # tokens with K/V: --keep-skipped-kv gives every token of a routed attention its K/V
+        if config.keep_skipped_kv and config.attention_is_routed(layer) and not config.attention_dropped(layer):
+            keys = seq_len
+        out.attention_proj += batch * round(kept * (2 * n * d * q_width + 2 * keys * d * 2 * kv_width
+                                                    + 2 * n * q_width * d))
+        out.attention_scores += batch * round(kept * 2 * 2 * n * keys * q_width)  # q k^T, (scores) v: n x keys
         mlp, gate = mlp_flops(config, layer, n_mlp, training, batch)
         out.mlp += round(kept * mlp)
         out.router += gate
@@ -126,16 +132,23 @@ def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tup
     `layer_work[layer] = (rows, slots)`: how many rows the layer processed the token for, and how many cache slots
     their attention reads (the cache's longest row including the new token: rows attend over one padded span); with
     --route-part attention or mlp, `(attention_rows, slots, mlp_rows)`. A routed layer's router runs for every row
-    (its logit is the decision or the weight), its predictor only with `routing="predictor"`.
+    (its logit is the decision or the weight), its predictor only with `routing="predictor"`. With
+    --keep-skipped-kv every row of a routed attention projects its K/V; only the processed rows their queries.
     """
     d = config.d_model
     q_width, kv_width = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
     out = FlopBreakdown()
     for layer in range(config.n_layers):
         rows, slots, *mlp_rows = layer_work[layer]
-        out.attention_proj += rows * (2 * d * (q_width + 2 * kv_width) + 2 * q_width * d)
+        mlp_rows = [0] if config.mlp_dropped(layer) else mlp_rows or [rows]  # --drop: no MLP
+        if config.attention_dropped(layer):  # --drop: no attention
+            rows = slots = 0
+        kv_rows = rows
+        if config.keep_skipped_kv and config.attention_is_routed(layer) and not config.attention_dropped(layer):
+            kv_rows = batch
+        out.attention_proj += rows * (2 * d * q_width + 2 * q_width * d) + kv_rows * 2 * d * 2 * kv_width
         out.attention_scores += rows * 2 * 2 * slots * q_width
-        mlp, gate = mlp_flops(config, layer, mlp_rows[0] if mlp_rows else rows)
+        mlp, gate = mlp_flops(config, layer, mlp_rows[0])
         out.mlp += mlp
         out.router += gate
         if config.has_router_at(layer):

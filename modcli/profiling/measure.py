@@ -135,7 +135,7 @@ def _prefill_and_decode(config: ProfileConfig, models: dict[str, MoDDecoder], to
         held = cache.positions.sum().item()
         out[name].processed_fraction = {f"block{layer}": cache.layers[layer].lengths.sum().item() / held
                                         for layer in m.config.routed_layers()
-                                        if m.config.attention_is_routed(layer)}
+                                        if m.config.kv_is_routed(layer)}
 
 
 def _time(calls: dict[Key, TimedCall], tokens_per_call: dict[str, int], warmup: int, repeats: int,

@@ -93,7 +93,8 @@ def onnxruntime_calls(config: ProfileConfig, models: dict[str, MoDDecoder], seq_
                     dtype="float32", routed_layers=model_config.routed_layers(),
                     capacity=model_config.capacity_fraction(),
                     processed_row_layers=[layer for layer in range(model_config.n_layers)
-                                          if model_config.attention_is_routed(layer)])
+                                          if model_config.kv_is_routed(layer)],
+                    kv_layers=model_config.kv_layers())
                 new_tokens = decode_tokens_for(model_config.vocab_size, batch, seq_len, config.decode_tokens, CPU)
                 prefilled = DecoderCache.allocate(model_config, batch, seq_len + config.decode_tokens, CPU)
                 with torch.no_grad():  # the eager causal prefill of the same tokens, untimed
@@ -121,7 +122,8 @@ def _decode_call(session, output_names: list[str], cache_spec: CacheSpec, prefil
     """Decode steps from a prefilled cache, copied into numpy buffers with room for every step."""
     feeds: dict[str, np.ndarray] = {}
     start_lengths = {}
-    for layer, layer_cache in enumerate(prefilled.layers):
+    for layer in cache_spec.layers:  # a layer without attention (a static drop) has no cache inputs
+        layer_cache = prefilled.layers[layer]
         slots = int(layer_cache.lengths.max()) + steps + 1  # no buffer grows inside a timed call
         shape = (layer_cache.keys.shape[0], layer_cache.keys.shape[1], slots, layer_cache.keys.shape[3])
         keys, values = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)

@@ -45,7 +45,7 @@ from modcli.data.tokenizer import load_tokenizer
 from modcli.errors import TrainingDiverged, UserError, WriteFailed
 from modcli.hardware import autocast, seed_everything
 from modcli.models.build import build_model
-from modcli.models.decoder import MoDDecoder
+from modcli.models.decoder import MoDDecoder, dropped_weight
 from modcli.models.moe import balance_hash_tables
 from modcli.models.routing.calibration import calibrate_causal_rules
 from modcli.reports.console import MetricsLog, StepProgress, read_metrics_file, stderr_console
@@ -365,6 +365,7 @@ def _load_for_conversion(model: MoDDecoder, original: MoDDecoder, checkpoint: Pa
     missing, unexpected = model.load_state_dict(state, strict=False)
     routers = router_parameter_names(model)
     missing = [name for name in missing if name not in routers and name != "head.weight"]
+    unexpected = [name for name in unexpected if not dropped_weight(model.config, name)]  # --drop removes them
     if missing or unexpected:
         raise UserError(f"--init-from: {checkpoint} does not fit (missing {missing}, unexpected {unexpected})")
 
@@ -536,6 +537,8 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         if metrics is not None:
             metrics.close()
 
+    if steps == 0 and run.last_checkpoint is None:  # --init-from --max-steps 0: the converted model as it starts
+        run.last_checkpoint = save()
     if validation is None:  # nothing left to train (resumed at the end): evaluate what is there
         validation = validation_losses(forward, run.corpus, config, context, modes)
     caps = run.model.capabilities

@@ -45,9 +45,11 @@ MODELS = {
     "attention": (dict(router="attention"), None),  # A-MoD: decodes with its predictor
     "route-attention": (dict(route_part="attention"), "router"),
     "route-mlp": (dict(route_part="mlp", router_weight="unit"), "router"),
+    "kv-kept": (dict(keep_skipped_kv=True, n_kv_heads=2), "router"),  # skipped tokens keep their K/V
     "mode-staged": (dict(experts=2, expert_top_k=2), "router"),  # MoD routing + an MoE MLP in every block
     "mode-integrated": (dict(router="integrated", experts=2, noop_experts=1, predictor_hidden=0), None),
     "moe": (dict(route_every=0, experts=3, expert_top_k=1), None),
+    "static-drops": (dict(drop="attention:0,mlp:2"), "router"),  # blocks 1, 3 routed; block 0 has no attention
     "moe-hash": (dict(route_every=0, experts=3, expert_routing="hash"), None),  # the expert: a table of the id
     "mode-staged-hash": (dict(experts=2, expert_routing="hash"), "router"),  # the selected tokens' ids
     "untied-biases-rope": (dict(tie_embeddings=False, qkv_bias=True, n_kv_heads=1, head_size=12, norm_eps=1e-5,

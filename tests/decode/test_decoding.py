@@ -200,10 +200,10 @@ def test_the_steps_shared_rope_tables_decode_exactly_like_tables_made_per_block(
     rows_seen: list[int] = []  # rows of each routed part the routed block ran ("mlp": not the attention of every row)
     delta = routed._decode_delta
 
-    def spy(x, cos, sin, cache, rows, part="block", token_ids=None):
+    def spy(x, cos, sin, cache, rows, part="block", token_ids=None, context=None):
         if part != "attention":
             rows_seen.append(x.shape[0])
-        return delta(x, cos, sin, cache, rows, part, token_ids)
+        return delta(x, cos, sin, cache, rows, part, token_ids, context)
 
     routed._decode_delta = spy  # type: ignore[method-assign]
     for t in range(8, 20):

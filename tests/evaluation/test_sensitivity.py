@@ -125,6 +125,41 @@ def test_a_share_runs_attention_among_the_kept_tokens_and_zeroes_the_others_upda
         assert torch.equal(out[skipped], x[skipped])
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("part", ["attention", "block"])
+def test_a_share_with_kv_kept_runs_the_kept_queries_over_every_tokens_keys(dense_run, windows, part):
+    """--keep-skipped-kv's variant: the skipped tokens keep their keys and values; only the kept tokens have a query
+    and an update (a masked softmax written out: key position <= query position)."""
+    import math
+
+    from modcli.models.decoder import apply_rope
+
+    model = load_model_from(dense_run)[0]
+    inputs, _ = windows
+    block, config = model.blocks[1], model.config
+    batch, seq_len = inputs.shape
+    kept = kept_positions(batch, seq_len, 0.5, torch.Generator().manual_seed(3))  # (B, k)
+    cos, sin = config_rope(config, torch.arange(seq_len))
+    x = torch.randn(batch, seq_len, config.d_model)
+    heads = block.attn.qkv(block.attn_norm(x)).view(batch, seq_len, 3 * config.n_heads, config.head_dim)
+    q, k = apply_rope(heads[:, :, :2 * config.n_heads], cos[None], sin[None]).split(config.n_heads, dim=2)
+    v = heads[:, :, 2 * config.n_heads:]  # (B, T, H, hd) each
+    q = gather_tokens(q.flatten(2), kept).view(batch, -1, config.n_heads, config.head_dim)  # (B, k, H, hd)
+    scores = torch.einsum("bqhd,bthd->bhqt", q, k) / math.sqrt(config.head_dim)  # (B, H, k, T)
+    visible = torch.arange(seq_len)[None, None, :] <= kept[:, :, None]  # (B, k, T)
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+    attention = block.attn.proj(torch.einsum("bhqt,bthd->bqhd", probs, v).flatten(2))  # (B, k, D)
+    hidden = x + scatter_tokens(torch.zeros_like(x), kept, attention)
+    keep = torch.zeros(x.shape[:2]).scatter(1, kept, 1.0)[..., None]  # (B, T, 1)
+    update = block.mlp(block.mlp_norm(hidden))
+    expected = hidden + (update * keep if part == "block" else update)
+    with removed(block, part, kept, keep_kv=True):
+        out, _ = block(x, cos, sin, "dense")
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    with removed(block, part, kept):
+        assert (block(x, cos, sin, "dense")[0] - out).abs().max() > 1e-3  # the skipped tokens' K/V mattered
+
+
 def test_drop_loss_is_the_loss_of_the_model_without_that_part(dense_run, windows):
     result = sensitivity(SensitivityConfig(str(dense_run), batches=1, batch_size=2, shares=[0.125, 0.5],
                                            device="cpu"))
@@ -142,7 +177,11 @@ def test_drop_loss_is_the_loss_of_the_model_without_that_part(dense_run, windows
             if part in ("mlp", "block"):
                 block.mlp.down.weight.zero_()
             assert measured.drop_loss == pytest.approx(lm_loss(zeroed(inputs), targets).item(), abs=ATOL)
-            assert set(measured.share_losses) == {"0.125", "0.5"}
+            assert set(measured.share_losses) == set(measured.share_losses_kv_kept) == {"0.125", "0.5"}
+            if part == "mlp":  # attention runs for every token: keeping K/V changes nothing
+                assert measured.share_losses_kv_kept == measured.share_losses
+            else:
+                assert measured.share_losses_kv_kept != measured.share_losses
             assert 0 <= measured.block_influence <= 2
         # Block Influence of block 0's attention, by hand: 1 - cos(x, x + attn(norm(x))), mean over the tokens
         block = model.blocks[0]
@@ -163,7 +202,7 @@ def test_the_json_is_one_object_with_every_block_and_part(dense_run):
     assert isinstance(payload["dense_loss"], float)
     assert len(payload["results"]) == 4 * len(PARTS)
     for entry in payload["results"]:
-        assert {"block", "part", "drop_loss", "share_losses", "block_influence"} <= set(entry)
+        assert {"block", "part", "drop_loss", "share_losses", "share_losses_kv_kept", "block_influence"} <= set(entry)
         assert entry["part"] in PARTS and set(entry["share_losses"]) == {"0.125", "0.5"}
 
 
@@ -197,10 +236,74 @@ def routed_run(tmp_path_factory, corpus_file) -> Path:
     (["{run}", "--plot", "{missing}/map.png"], "--plot: the folder of"),
     (["{run}", "--seq-len", "33"], "--seq-len must be <= the run's seq_len 32"),
     (["{routed}"], "measures a dense decoder"),
+    (["{run}", "--plan", "plan.txt"], "--plan must name a .toml file"),
+    (["{run}", "--plan", "p.toml", "--target-flops", "1"], "--target-flops must be in (0, 1)"),
+    (["{run}", "--measured", "{missing}"], "--measured: give --plan"),
+    (["{run}", "--measured", "{missing}", "--plan", "{tmp}/p.toml"], "does not exist"),
+    (["{run}", "--measured", "{garbage}", "--plan", "{tmp}/p.toml"], "is not a map saved by"),
 ])
 def test_bad_input_is_one_line_and_exit_2(dense_run, routed_run, tmp_path, args, message):
-    values = {"run": str(dense_run), "routed": str(routed_run), "missing": str(tmp_path / "nowhere")}
+    (tmp_path / "garbage.json").write_text("{}")
+    values = {"run": str(dense_run), "routed": str(routed_run), "missing": str(tmp_path / "nowhere"),
+              "tmp": str(tmp_path), "garbage": str(tmp_path / "garbage.json")}
     result = runner.invoke(app, ["sensitivity", *(arg.format(**values) for arg in args), "--device", "cpu"])
     assert result.exit_code == 2, (args, result.output)
     assert message in result.stderr.replace("\n", " ") or message in " ".join(result.stderr.split()), result.stderr
     assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error:"), result.stderr
+
+
+@torch.no_grad()
+def test_a_static_drop_has_the_loss_sensitivity_measured_for_that_cut(dense_run, windows):
+    """`train --init-from RUN --drop attention:1 --max-steps 0` is the model sensitivity measured for (1, attention)."""
+    import dataclasses
+
+    from modcli.models.decoder import MoDDecoder
+
+    result = sensitivity(SensitivityConfig(str(dense_run), batches=1, batch_size=2, device="cpu"))
+    by_place = {(r.block, r.part): r.drop_loss for r in result.results}
+    model = load_model_from(dense_run)[0]
+    inputs, targets = windows
+    for drop, place in (("attention:1", (1, "attention")), ("mlp:2", (2, "mlp")), ("block:3", (3, "block"))):
+        dropped = MoDDecoder(dataclasses.replace(model.config, drop=drop)).eval()
+        dropped.load_state_dict(model.state_dict(), strict=False)
+        assert lm_loss(dropped(inputs), targets).item() == pytest.approx(by_place[place], abs=ATOL)
+
+
+def test_a_plan_meets_its_flop_target_with_the_cheapest_cuts_and_converts(dense_run, tmp_path):
+    from modcli.config import load_toml
+    from modcli.config.drops import parse_drops
+    from modcli.evaluation.plan import plan_drops
+    from modcli.models.flops import flops
+
+    saved = tmp_path / "map.json"
+    result = runner.invoke(app, ["sensitivity", str(dense_run), "--batches", "1", "--batch-size", "2", "--device",
+                                 "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    saved.write_text(result.stdout)
+    plan_file = tmp_path / "plan.toml"
+    result = runner.invoke(app, ["sensitivity", str(dense_run), "--measured", str(saved), "--plan", str(plan_file),
+                                 "--target-flops", "0.85"])
+    assert result.exit_code == 0, result.output
+    values = load_toml(plan_file)
+    assert values["route_every"] == 0
+    drops = parse_drops(values["drop"], 4)
+    config = load_model_from(dense_run)[0].config
+    import dataclasses
+    ratio = flops(dataclasses.replace(config, drop=values["drop"]), 32).total / flops(config, 32).total
+    assert ratio <= 0.85
+    # greedy by cost per FLOP: the first cut is the cheapest per FLOP of all single cuts
+    payload = json.loads(saved.read_text())
+    plan = plan_drops(config, payload["results"], payload["dense_loss"], 32, 0.85)
+    assert plan.drop == values["drop"] and plan.cuts
+    first = plan.cuts[0]
+    assert (first.block in drops.get(first.part, ())) and plan.predicted_loss >= payload["dense_loss"]
+    # the plan converts as written
+    out = tmp_path / "converted"
+    result = runner.invoke(app, ["train", "--init-from", str(dense_run), "--config", str(plan_file), "--max-steps",
+                                 "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_model_from(out)[0].config.drop == values["drop"]
+    # a target no drops can meet: one line, exit 2
+    result = runner.invoke(app, ["sensitivity", str(dense_run), "--measured", str(saved), "--plan", str(plan_file),
+                                 "--target-flops", "0.05"])
+    assert result.exit_code == 2 and "cannot be met by static drops" in result.stderr

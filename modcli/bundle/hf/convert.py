@@ -66,7 +66,7 @@ def plain_architecture(config: ModelConfig, source: str | None) -> str | None:
     """The transformers class a model exports as without remote code, or None: a dense model with dense MLPs (an
     early-exit model at its full depth is one). It keeps the architecture it was imported from (`source`), except
     that q/k/v biases without an output bias are Qwen2's layout."""
-    if not config.dense or config.experts:
+    if not config.dense or config.experts or config.drop:  # a static drop: the folder's own code (no attention)
         return None
     if config.qkv_bias:
         return "Qwen2ForCausalLM"
@@ -124,6 +124,9 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
         "expert_top_k": config.expert_top_k, "noop_layers": config.noop_layers(), "noop_experts": config.noop_experts,
         "expert_weight": config.expert_weight, "expert_routing": config.expert_routing,
         "route_decision": "score", "route_cut": 0.0, "route_score": False,
+        "dropped_attention": [layer for layer in range(config.n_layers) if config.attention_dropped(layer)],
+        "dropped_mlp": [layer for layer in range(config.n_layers) if config.mlp_dropped(layer)],
+        "keep_skipped_kv": config.keep_skipped_kv,
     }
     if _routers(model):  # the routers' own rule (modcli.models.routing.base.ExportedRule), one by `refusal`
         (rule,) = _exported_rules(model, routing)

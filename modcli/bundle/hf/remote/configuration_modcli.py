@@ -21,7 +21,8 @@ class ModcliConfig(PretrainedConfig):
                  keep_first: int = 0, capacity: float = 1.0, experts: int = 0, expert_top_k: int = 1,
                  noop_layers: list[int] | None = None, noop_experts: int = 0,
                  expert_weight: str = "probability", expert_routing: str = "learned", use_cache: bool = True,
-                 **kwargs) -> None:
+                 dropped_attention: list[int] | None = None, dropped_mlp: list[int] | None = None,
+                 keep_skipped_kv: bool = False, **kwargs) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -51,4 +52,7 @@ class ModcliConfig(PretrainedConfig):
         self.expert_weight = expert_weight  # "unit": a chosen expert's update is not scaled; "probability": by p
         self.expert_routing = expert_routing  # "learned": a gate chooses; "hash": the table hash_table[token id]
         self.use_cache = use_cache
+        self.dropped_attention = list(dropped_attention or [])  # static drops: blocks without attention (no cache)
+        self.dropped_mlp = list(dropped_mlp or [])  # blocks without an MLP
+        self.keep_skipped_kv = keep_skipped_kv  # routed attention: skipped tokens still store their K/V
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -152,7 +152,8 @@ class LayerCache:
 
 
 class RoutedCache:
-    """The KV cache of every layer (each holds only the tokens it processed) and each row's next position."""
+    """The KV cache of every layer (each holds only the tokens it processed, or every token where skipped tokens keep
+    their K/V: keep_skipped_kv) and each row's next position."""
 
     is_compileable = False
 
@@ -180,8 +181,12 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
         self.proj = nn.Linear(self.sizes[0], config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, picked: Picked, cache: LayerCache) -> Tensor:
-        """x (r, k, D) the picked tokens, cos/sin (r, k, hd/2) -> the attention update (r, k, D)."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, picked: Picked, cache: LayerCache,
+                positions: Tensor | None = None) -> Tensor:
+        """x (r, k, D) the picked tokens, cos/sin (r, k, hd/2) -> the attention update (r, k, D). With `positions`
+        (r, k) (keep_skipped_kv: the cache already holds every token's K/V, `store`), queries only: `attend_cache`."""
+        if positions is not None:
+            return self.attend_cache(x, cos, sin, picked, positions, cache)
         r, k, _ = x.shape
         q, keys, values = (t.view(r, k, size // self.head_dim, self.head_dim).transpose(1, 2)
                            for t, size in zip(self.qkv(x).split(self.sizes, dim=-1), self.sizes, strict=True))
@@ -191,6 +196,29 @@ class Attention(nn.Module):
             keys = keys.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             values = values.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
         out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)  # (r, H, k, hd)
+        return self.proj(out.transpose(1, 2).reshape(r, k, self.sizes[0]))
+
+    def store(self, x: Tensor, cos: Tensor, sin: Tensor, every: Picked, cache: LayerCache) -> None:
+        """keep_skipped_kv: the K/V of the tokens x (r, k, D) (every real token) into the cache, no queries."""
+        r, k, _ = x.shape
+        keys, values = (t.view(r, k, self.n_kv_heads, self.head_dim).transpose(1, 2)
+                        for t in self.qkv(x)[..., self.sizes[0]:].split(self.sizes[1:], dim=-1))
+        cache.write_and_read(every, apply_rope(keys, cos, sin), values)
+
+    def attend_cache(self, x: Tensor, cos: Tensor, sin: Tensor, picked: Picked, positions: Tensor,
+                     cache: LayerCache) -> Tensor:
+        """keep_skipped_kv: the picked tokens x (r, k, D) at positions (r, k) attend to their row's cache (every
+        token's K/V, stored by `store`: slot = position), keys at or before their position -> (r, k, D)."""
+        r, k, _ = x.shape
+        q = apply_rope(self.qkv(x)[..., :self.sizes[0]].view(r, k, self.n_heads, self.head_dim).transpose(1, 2),
+                       cos, sin)  # (r, H, k, hd)
+        span = cache.max_length
+        keys, values = cache.keys[picked.rows, :, :span], cache.values[picked.rows, :, :span]  # (r, Hkv, L, hd)
+        if self.n_kv_heads != self.n_heads:
+            keys = keys.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            values = values.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        mask = torch.arange(span, device=x.device)[None, None, :] <= positions.clamp(min=0)[:, :, None]  # (r, k, L)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])
         return self.proj(out.transpose(1, 2).reshape(r, k, self.sizes[0]))
 
 
@@ -306,14 +334,19 @@ class Block(nn.Module):
     def __init__(self, config: ModcliConfig, layer: int) -> None:
         super().__init__()
         self.config = config
-        self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # a static drop removes the sublayer (no weights, no work, no cache); a block with a drop is never routed
+        self.has_attention = layer not in getattr(config, "dropped_attention", [])
+        self.has_mlp = layer not in getattr(config, "dropped_mlp", [])
+        self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.has_attention else None
+        self.attn = Attention(config) if self.has_attention else None
+        self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.has_mlp else None
         noop = config.noop_experts if layer in config.noop_layers else 0
-        self.mlp = MoEMLP(config, noop) if config.experts else SwiGLU(config)
+        self.mlp = (MoEMLP(config, noop) if config.experts else SwiGLU(config)) if self.has_mlp else None
         self.routed = layer in config.routed_layers
         self.part = config.route_part if self.routed else "block"
         self.routes_attention, self.routes_mlp = ROUTE_PARTS[self.part]
+        # skipped tokens still store their K/V (no query, no update): picked tokens attend to every earlier token
+        self.keeps_kv = self.routed and self.routes_attention and getattr(config, "keep_skipped_kv", False)
         self.router = Router(config, layer) if self.routed else None
 
     def rope(self, positions: Tensor, picked: Picked) -> tuple[Tensor, Tensor]:
@@ -323,6 +356,14 @@ class Block(nn.Module):
     def forward(self, x: Tensor, positions: Tensor, real: Tensor, cache: LayerCache, ids: Tensor) -> Tensor:
         """x (B, n, D), positions (B, n), real (B, n) bool (False: padding), ids (B, n) the token ids (what a
         hash-routed MoE MLP reads) -> (B, n, D)."""
+        if not (self.has_attention and self.has_mlp):  # a static drop: what is left runs on every token
+            every = Picked(real)
+            if self.has_attention and not every.empty:
+                h = every.gather(x)
+                x = every.scatter(x, h + self.attn(self.attn_norm(h), *self.rope(positions, every), every, cache))
+            if self.has_mlp:
+                x = x + self.mlp(self.mlp_norm(x), ids)
+            return x
         logits, chosen = None, real
         if self.routed:
             logits = self.router.logits(x)  # (B, n) or None
@@ -333,6 +374,10 @@ class Block(nn.Module):
             if not every.empty:
                 h = every.gather(x)
                 x = every.scatter(x, h + self.attn(self.attn_norm(h), *self.rope(positions, every), every, cache))
+        if self.keeps_kv:  # every real token's K/V into the cache, before any picked token attends
+            every = Picked(real)
+            if not every.empty:
+                self.attn.store(self.attn_norm(every.gather(x)), *self.rope(positions, every), every, cache)
         picked = Picked(chosen)
         if not picked.empty:  # no row picked any token: the block costs nothing
             h = picked.gather(x)  # (r, k, D)
@@ -340,7 +385,9 @@ class Block(nn.Module):
             if not self.routes_attention:
                 delta = self.mlp(self.mlp_norm(h), picked_ids)
             else:
-                attn_update = self.attn(self.attn_norm(h), *self.rope(positions, picked), picked, cache)
+                query_positions = picked.gather(positions) if self.keeps_kv else None  # (r, k)
+                attn_update = self.attn(self.attn_norm(h), *self.rope(positions, picked), picked, cache,
+                                        query_positions)
                 delta = (attn_update if not self.routes_mlp
                          else attn_update + self.mlp(self.mlp_norm(h + attn_update), picked_ids))
             weight = self.router.weight(logits, picked) if self.routed else None
