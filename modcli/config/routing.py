@@ -10,6 +10,7 @@ dataclasses; here they are built into ModelConfig's members for the chosen varia
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import fields
 from fractions import Fraction
 from typing import Self
@@ -32,6 +33,12 @@ EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_we
 EXPERT_WEIGHTS = ("unit", "probability")
 EXPERT_ROUTINGS = ("learned", "hash")
 HASH_TABLES = ("random", "balanced")
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_drops(text: str, n_layers: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """--drop parsed once per text (the layout asks per block; the config holds only the text)."""
+    return tuple(parse_drops(text, n_layers).items())
 
 
 class RoutingLayout:
@@ -93,13 +100,13 @@ class RoutingLayout:
     def _check_drops(self) -> None:
         """--drop: parsed and kept canonical; only where the family can drop, never in a routed block, never the
         attention an attention-reading router (A-MoD) reads."""
-        self._drops = parse_drops(self.drop, self.n_layers)
-        self.drop = format_drops(self._drops)
-        if not self._drops:
+        drops = parse_drops(self.drop, self.n_layers)
+        self.drop = format_drops(drops)
+        if not drops:
             return
         require(self.family.static_drops, f"--drop: --arch {self.arch} cannot drop sublayers (its blocks are shared "
                                           "or decode at several depths); --arch mod can")
-        dropped = sorted({*self._drops.get("attention", ()), *self._drops.get("mlp", ())})
+        dropped = sorted({*drops.get("attention", ()), *drops.get("mlp", ())})
         routed = [layer for layer in dropped if self.in_route_set(layer)]
         require(not routed, f"--drop: block {routed[0] if routed else 0} is also in --route-layers: a block is "
                             "dropped or routed, not both")
@@ -156,10 +163,7 @@ class RoutingLayout:
         return layer in self._dropped("mlp")
 
     def _dropped(self, part: str) -> tuple[int, ...]:
-        drops = getattr(self, "_drops", None)
-        if drops is None:  # before __post_init__ parsed it
-            drops = self._drops = parse_drops(self.drop, self.n_layers)
-        return drops.get(part, ())
+        return dict(_parsed_drops(self.drop, self.n_layers)).get(part, ())
 
     def kept_part(self, layer: int) -> str | None:
         """What a block computes after --drop: block (attention and MLP), attention, mlp, or None (nothing: the

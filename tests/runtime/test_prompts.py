@@ -36,6 +36,7 @@ class StepCounter:
 class NoCache:
     routed_layers: list[int] = []
     n_layers = 1
+    layers = [0]  # the layers with a cache
 
     def allocate(self, batch: int, steps: int) -> dict[str, np.ndarray]:
         return {"lengths.0": np.zeros(batch, dtype=np.int64)}
