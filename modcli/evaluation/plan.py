@@ -13,7 +13,6 @@ converted model replaces with a measurement. Routed sublayers are not candidates
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,11 +83,16 @@ def plan_drops(model: ModelConfig, results: list, dense_loss: float, seq_len: in
                         f"attention and MLP leaves {plan.flops_ratio:.2f} of the forward FLOPs at T {seq_len} (the "
                         "embedding and LM head stay)")
     plan.drop = with_drops(chosen).drop
-    both = set(chosen["attention"]) & set(chosen["mlp"])
-    cost = sum(cut.cost for cut in plan.cuts if cut.block not in both)
-    cost += sum(max(0.0, measured.get((block, "block"), math.inf) - dense_loss) if (block, "block") in measured
-                else sum(c.cost for c in plan.cuts if c.block == block) for block in both)
-    plan.predicted_loss = dense_loss + cost
+
+    def cut_cost(block: int) -> float:
+        """The predicted cost of the cuts in one block: its measured whole-block drop where both parts are cut and
+        the map has it, else its cuts' costs added."""
+        cuts = [cut for cut in plan.cuts if cut.block == block]
+        if len(cuts) == len(CUT_PARTS) and (block, "block") in measured:
+            return max(0.0, measured[(block, "block")] - dense_loss)
+        return sum(cut.cost for cut in cuts)
+
+    plan.predicted_loss = dense_loss + sum(cut_cost(block) for block in {cut.block for cut in plan.cuts})
     return plan
 
 

@@ -145,14 +145,17 @@ def test_convert_with_max_steps_0_writes_the_dropped_model(trained_dense_run, tm
     (checkpoint,) = out.glob("step-*")
     saved = json.loads((checkpoint / "config.json").read_text())
     assert saved["model"]["drop"] == "attention:1-2,mlp:3"
-    # bad input: one line, exit 2, nothing written
-    for args, says in ((["--drop", "attention:9"], "out of range"), (["--drop", "attention:0-3"], "every block"),
-                       (["--max-steps", "0", "--drop", ""], "--max-steps")):
-        bad = tmp_path / "bad"
-        flags = ["train", "--dense", "--out", str(bad), "--max-steps", "1", *args]
-        if "--init-from" not in args and args[0] != "--max-steps":
-            flags += ["--init-from", str(trained_dense_run)]
-        result = runner.invoke(app, flags)
-        assert result.exit_code == 2, result.output
-        assert says in result.output and "Traceback" not in result.output
-        assert not bad.exists()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--init-from", "RUN", "--max-steps", "1", "--drop", "attention:9"], "out of range"),
+    (["--init-from", "RUN", "--max-steps", "1", "--drop", "attention:0-3"], "every block"),
+    (["--max-steps", "0", "--drop", ""], "--max-steps"),  # --max-steps 0 only converts (needs --init-from)
+])
+def test_bad_conversions_are_one_line_and_write_nothing(trained_dense_run, tmp_path, args, says):
+    bad = tmp_path / "bad"
+    args = [str(trained_dense_run) if arg == "RUN" else arg for arg in args]
+    result = CliRunner().invoke(app, ["train", "--dense", "--out", str(bad), *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output
+    assert not bad.exists()
