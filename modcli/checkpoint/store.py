@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from modcli_runtime.bundle import sha256_of  # the one definition, shared with the PyTorch-free runtime
-from safetensors.torch import load_file, save_model
+from safetensors.torch import load_file, save_file, save_model
 
 from modcli.checkpoint import atomic
 from modcli.config import ModelConfig, RunConfig, check_config_values
@@ -63,12 +63,15 @@ def _pause() -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state: dict[str, Any] | None,
-                    config: RunConfig, state: dict[str, Any], keep: int) -> Path:
+                    config: RunConfig, state: dict[str, Any], keep: int,
+                    tensors: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write step-NNNNNNNN/ atomically, then delete all but the newest `keep` complete checkpoints.
 
     `optimizer_state` is keyed by parameter name (torch.distributed.checkpoint's full state dict), so it loads
     into any world size and parallel mode. A failure to write raises WriteFailed and leaves the earlier checkpoints
-    (and, for a step saved again, the earlier save of this step) as they were.
+    (and, for a step saved again, the earlier save of this step) as they were. `tensors`: more safetensors files
+    by name (a LoRA run's adapters.safetensors), checked against the marker like the weights when read
+    (`read_tensors`).
     """
     final = run_dir / f"step-{step:08d}"
     try:
@@ -78,6 +81,9 @@ def save_checkpoint(run_dir: Path, step: int, model: MoDDecoder, optimizer_state
             if optimizer_state is not None:
                 _pause()
                 torch.save(optimizer_state, tmp / "optimizer.pt")
+            for name, file_tensors in (tensors or {}).items():
+                _pause()
+                save_file(file_tensors, str(tmp / name))
             _pause()
             (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
             _pause()
@@ -316,6 +322,16 @@ def load_weights(model: MoDDecoder, checkpoint: Path) -> None:
 
         raise UserError(f"{path} does not fit {checkpoint / 'config.json'}: missing {names(missing)}; unexpected "
                         f"{names(unexpected)}")
+
+
+def read_tensors(checkpoint: Path, name: str) -> dict[str, torch.Tensor]:
+    """A safetensors file `save_checkpoint(tensors=...)` wrote (checked against the marker)."""
+    path = verify_file(checkpoint, name)
+    safetensors_shapes(path)
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for corrupt files
+        raise UserError(f"{path} cannot be read: {_one_line(exc)}") from None
 
 
 def read_optimizer_state(checkpoint: Path) -> dict[str, Any]:

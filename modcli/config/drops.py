@@ -46,16 +46,32 @@ def parse_drops(text: str, n_layers: int) -> dict[str, tuple[int, ...]]:
     return {name: tuple(sorted(blocks)) for name, blocks in drops.items() if blocks}
 
 
-def _block_range(item: str, text: str, n_layers: int) -> set[int]:
+def parse_block_list(text: str, n_layers: int, flag: str) -> tuple[int, ...]:
+    """"20-29" or "1,3-4" -> the sorted blocks; an empty list, an empty or overlapping range or a block outside
+    0..n_layers-1 is one line naming `flag`."""
+    blocks: set[int] = set()
+    for item in (piece.strip() for piece in text.split(",")):
+        if not item:
+            continue
+        more = _block_range(item, text, n_layers, flag)
+        if blocks & more:
+            raise UserError(f"{flag}: block {min(blocks & more)} is named twice (overlapping ranges) in {text!r}")
+        blocks |= more
+    if not blocks:
+        raise UserError(f"{flag}: no block named in {text!r}; write blocks as N or A-B, e.g. 20-29")
+    return tuple(sorted(blocks))
+
+
+def _block_range(item: str, text: str, n_layers: int, flag: str = "--drop") -> set[int]:
     first, dash, last = item.partition("-")
     try:
         start, end = int(first), int(last) if dash else int(first)
     except ValueError:
-        raise UserError(f"--drop: {item!r} is not a block or a range A-B, in {text!r}") from None
+        raise UserError(f"{flag}: {item!r} is not a block or a range A-B, in {text!r}") from None
     if end < start:
-        raise UserError(f"--drop: the range {item} is empty (write the smaller block first), in {text!r}")
+        raise UserError(f"{flag}: the range {item} is empty (write the smaller block first), in {text!r}")
     if start < 0 or end >= n_layers:
-        raise UserError(f"--drop: block {end if end >= n_layers else start} is out of range: the model has blocks "
+        raise UserError(f"{flag}: block {end if end >= n_layers else start} is out of range: the model has blocks "
                         f"0-{n_layers - 1}, in {text!r}")
     return set(range(start, end + 1))
 

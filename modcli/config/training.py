@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modcli.config.drops import parse_block_list
 from modcli.config.validation import require
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
-TRAINABLE = ("all", "routers", "routers+norms")
-OBJECTIVES = ("lm", "block-match")
+TRAINABLE = ("all", "routers", "routers+norms", "lora", "blocks:A-B")
+OBJECTIVES = ("lm", "block-match", "distill")
+LORA_TARGETS = ("qkv", "proj", "gate_up", "down")
+"""--lora-targets: the linear layers of a block an adapter may go on (modcli.training.lora)."""
 DTYPES = ("float32", "bfloat16", "float16")
 
 EXPERT_RECIPE = {"expert_gate_lr_scale": 0.1, "expert_capacity_warmup": 100}
@@ -86,7 +89,17 @@ class TrainConfig:
     """Start from this run's (or checkpoint's) weights and tokenizer: converts a dense (e.g. imported) model to MoD
     with the routing flags given; routers are new. The shape flags must match it."""
     trainable: str = "all"
-    """Which parameters train: all, routers (routers and predictors only; the rest frozen) or routers+norms."""
+    """Which parameters train: all; routers (routers and predictors only; the rest frozen); routers+norms; lora
+    (low-rank adapters on the blocks' linear layers, --lora-rank/--lora-alpha/--lora-targets, and the routers; the
+    adapters are merged into every saved checkpoint); blocks:A-B (those blocks, e.g. blocks:20-29 or blocks:1,25-29,
+    the final norm, the LM head (the embedding too when they are tied) and the routers)."""
+    lora_rank: int = 8
+    """--trainable lora: the adapters' rank r (each adapted weight W becomes W + (alpha / r) B A)."""
+    lora_alpha: float = 16.0
+    """--trainable lora: the adapters' scale numerator alpha."""
+    lora_targets: str = "qkv,proj,gate_up,down"
+    """--trainable lora: the linear layers of every block that get an adapter: qkv (the fused query/key/value
+    projection), proj (attention output), gate_up, down (the MLP)."""
     calibrate: bool = False
     """Before the first step, shift each router's (and predictor's) decision boundary so that on the first training
     batch every routed block's causal rule keeps about --capacity of the tokens (a new router's logits sit near 0, so
@@ -95,7 +108,20 @@ class TrainConfig:
     """The training loss: lm (next-token cross-entropy, backward through the whole model) or block-match (each routed
     block's output matched to the dense block's on the dense model's input to it, relative squared error; one forward
     and a backward through the routers only: cheaper per step, for conversions that train the routers). The loss
-    reported in training is then the block-match loss; validation stays the language-model loss."""
+    reported in training is then the block-match loss; validation stays the language-model loss); or distill (with
+    --init-from: the KL divergence from the original model, frozen and run alongside, to this one, at
+    --distill-temperature, mixed with the LM loss by --distill-weight; the first --local-steps steps train with the
+    block-match loss against the original's blocks instead: blockwise local, then global distillation). With
+    block-match or distill and --init-from, each modified block (routed, or with a dropped sublayer) matches the
+    original's block on the original's input to it, so a --trainable that trains block weights trains them."""
+    distill_temperature: float = 1.0
+    """--objective distill: both models' logits are divided by it before the softmax (the KL is scaled by its
+    square, Hinton et al.)."""
+    distill_weight: float = 1.0
+    """--objective distill: the training loss is this x KL + (1 - this) x the LM loss."""
+    local_steps: int = 0
+    """--objective distill: train the first this many steps with the block-match loss against the original's blocks
+    (local distillation: each backward stays inside one block), then with the KL."""
     keep: int = 3
     """Keep the newest N checkpoints."""
     parallel: str = "ddp"
@@ -124,7 +150,22 @@ class TrainConfig:
         require(self.capacity_warmup >= 0, f"--capacity-warmup must be >= 0, got {self.capacity_warmup}")
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         require(self.parallel in ("ddp", "fsdp"), f"--parallel must be ddp or fsdp, got {self.parallel!r}")
-        require(self.trainable in TRAINABLE, f"--trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
+        require(self.trainable in TRAINABLE[:-1] or self.trainable.startswith("blocks:"),
+                f"--trainable must be one of {', '.join(TRAINABLE)}, got {self.trainable!r}")
+        if self.trainable.startswith("blocks:"):
+            parse_block_list(self.trainable.removeprefix("blocks:"), 1 << 30, "--trainable blocks")
+        require(self.lora_rank >= 1, f"--lora-rank must be >= 1, got {self.lora_rank}")
+        targets = [name.strip() for name in self.lora_targets.split(",") if name.strip()]
+        require(bool(targets) and all(name in LORA_TARGETS for name in targets),
+                f"--lora-targets must name some of {','.join(LORA_TARGETS)}, got {self.lora_targets!r}")
+        require(self.lora_alpha > 0, f"--lora-alpha must be positive, got {self.lora_alpha}")
+        require(self.distill_temperature > 0, f"--distill-temperature must be positive, got {self.distill_temperature}")
+        require(0.0 <= self.distill_weight <= 1.0, f"--distill-weight must be in [0, 1], got {self.distill_weight}")
+        require(self.local_steps >= 0, f"--local-steps must be >= 0, got {self.local_steps}")
+        require(self.objective != "distill" or self.init_from is not None,
+                "--objective distill needs --init-from (the original model to distil from)")
+        require(self.local_steps == 0 or self.objective == "distill",
+                "--local-steps is the local stage of --objective distill")
         require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         require(self.objective in OBJECTIVES,
                 f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")

@@ -34,12 +34,14 @@ from modcli.checkpoint.store import (
     read_config,
     read_optimizer_state,
     read_state,
+    read_tensors,
     refuse_foreign_folder,
     resolve_checkpoint,
     save_checkpoint,
 )
 from modcli.compiling import CompileStats, compile_module, graph_break_counts
 from modcli.config import SHAPE_FIELDS, ModelConfig, RunConfig, TrainConfig
+from modcli.config.drops import parse_block_list
 from modcli.data.corpus import BatchSampler, Corpus, evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
 from modcli.errors import TrainingDiverged, UserError, WriteFailed
@@ -51,6 +53,15 @@ from modcli.models.routing.calibration import calibrate_causal_rules
 from modcli.reports.console import MetricsLog, StepProgress, read_metrics_file, stderr_console
 from modcli.training import distributed
 from modcli.training.distributed import DistributedContext
+from modcli.training.lora import (
+    ADAPTERS_FILE,
+    adapter_state,
+    add_adapters,
+    is_adapter_parameter,
+    load_adapters,
+    merged_state,
+    parse_targets,
+)
 from modcli.training.objective import (
     Objective,
     bits_per_byte,
@@ -189,6 +200,8 @@ class _Prepared:
     """Lines for rank 0 to print before training (a stale lock taken over, temporary folders cleaned up)."""
     init_val_loss: float | None = None
     calibration: dict[str, dict[str, float]] | None = None
+    teacher: MoDDecoder | None = None
+    """The original model (--init-from), frozen, for --objective distill and block-match."""
 
 
 def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
@@ -197,6 +210,8 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     check_config_values(config.to_dict())
     if not 0 <= tc.seed < 2**63:  # what numpy's and torch's generators accept
         raise UserError(f"--seed must be in [0, 2**63), got {tc.seed}")
+    if tc.trainable.startswith("blocks:"):  # the model's depth is known now: a bad block fails before any work
+        parse_block_list(tc.trainable.removeprefix("blocks:"), mc.n_layers, "--trainable blocks")
     run_dir = Path(tc.out)
     existing = complete_checkpoints(run_dir)
     if tc.resume and not existing:
@@ -235,7 +250,20 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
         original, _, _ = load_model_from(init, context.device)
         init_val_loss = validation_losses(original, corpus, config, context, validation_modes(original)[:1])["val_loss"]
         _load_for_conversion(model, original, init)
-        del original
+        teacher = original
+    if tc.objective in ("distill", "block-match") and tc.init_from:
+        if init is None:  # resumed: the original is read again
+            teacher = load_model_from(resolve_checkpoint(tc.init_from), context.device)[0]
+        teacher.requires_grad_(False)
+    else:
+        teacher = None
+    if tc.trainable == "lora":
+        if tc.parallel == "fsdp" and context.enabled:
+            raise UserError("--trainable lora runs in one process or under --parallel ddp, not fsdp")
+        add_adapters(model, tc.lora_rank, tc.lora_alpha, parse_targets(tc.lora_targets))
+        if tc.resume:
+            load_adapters(model, _loading(lambda checkpoint: read_tensors(checkpoint, ADAPTERS_FILE), existing[-1],
+                                          existing), str(existing[-1] / ADAPTERS_FILE))
     freeze_for(model, tc.trainable)
     check_objective(model, tc, context.world_size)
     model = model.to(context.device)
@@ -247,7 +275,8 @@ def _prepare(config: RunConfig, context: DistributedContext) -> _Prepared:
     sampler = BatchSampler(corpus.train, mc.seq_len, tc.batch_size, tc.seed, context.rank, context.world_size)
     scaler = torch.amp.GradScaler(context.device.type, enabled=tc.dtype == "float16")
     prepared = _Prepared(corpus, model, wrapped, optimizer, sampler, scaler, init_val_loss=init_val_loss,
-                         calibration=calibration, notes=[note for note in (table_note, metrics_note) if note])
+                         calibration=calibration, notes=[note for note in (table_note, metrics_note) if note],
+                         teacher=teacher)
     torch.manual_seed(tc.seed + context.rank)  # dropout differs per rank
     if resume_state is not None:
         newest = existing[-1]
@@ -372,12 +401,29 @@ def _load_for_conversion(model: MoDDecoder, original: MoDDecoder, checkpoint: Pa
 
 def freeze_for(model: torch.nn.Module, trainable: str) -> None:
     """--trainable: all; routers (their parameters and predictors only: `router_parameter_names`); routers+norms
-    (and the RMSNorm weights). A model with nothing of the kind asked for to train is a UserError."""
+    (and the RMSNorm weights); lora (the adapters `add_adapters` put on the model, and the routers); blocks:A-B
+    (those blocks' parameters, the final norm, the head (the tied embedding) and the routers). A model with nothing
+    of the kind asked for to train is a UserError."""
     if trainable == "all":
         return
     routers = router_parameter_names(model)
+    blocks: tuple[int, ...] = ()
+    if trainable.startswith("blocks:"):
+        blocks = parse_block_list(trainable.removeprefix("blocks:"), model.config.n_layers, "--trainable blocks")
+
+    def trains(name: str) -> bool:
+        if name in routers:
+            return True
+        if trainable == "routers+norms":
+            return name.endswith("norm.weight")
+        if trainable == "lora":
+            return is_adapter_parameter(name)
+        parts = name.split(".")
+        return bool(blocks) and ((parts[0] == "blocks" and int(parts[1]) in blocks)
+                                 or parts[0] in ("norm", "head") or (parts[0] == "embed" and model.config.tie_embeddings))
+
     for name, param in model.named_parameters():
-        param.requires_grad_(name in routers or (trainable == "routers+norms" and name.endswith("norm.weight")))
+        param.requires_grad_(trains(name))
     if not any(param.requires_grad for param in model.parameters()):
         kind = getattr(getattr(model, "config", None), "kind", "this model")
         raise UserError(f"--trainable {trainable}: the model ({kind}) has no router parameters to train; use "
@@ -450,15 +496,18 @@ def _run(config: RunConfig, context: DistributedContext, run: _Prepared, quiet: 
         resume_state = gather_resume_state(scaler, context)
         if not context.is_main:
             return run.last_checkpoint
-        to_save = run.model
-        if model_state is not None:  # sharded or replicated across ranks: save a plain CPU copy
+        to_save, tensors = run.model, None
+        adapters = tc.trainable == "lora"
+        if adapters:  # the adapters merged into a plain model (what every reader loads); kept apart for --resume
+            model_state, tensors = merged_state(run.model), {ADAPTERS_FILE: adapter_state(run.model)}
+        if model_state is not None:  # sharded or replicated across ranks, or adapted: save a plain CPU copy
             with torch.random.fork_rng(devices=[]):  # its initialisation must not move the saved RNG on
                 to_save = build_model(mc)
             to_save.load_state_dict(model_state)
         state = {"step": run.step, "tokens": run.tokens, "flops": run.flops, "world_size": context.world_size,
                  "elapsed_s": run.elapsed_before + time.perf_counter() - session_start,
                  "sampler": run.sampler.state(), "init_val_loss": run.init_val_loss, **resume_state}
-        return save_checkpoint(run_dir, run.step, to_save, optimizer_state, config, state, tc.keep)
+        return save_checkpoint(run_dir, run.step, to_save, optimizer_state, config, state, tc.keep, tensors)
 
     try:
         nan_at_step = int(os.environ.get(NAN_AT_STEP_ENV) or 0)
@@ -571,7 +620,7 @@ def _optimizer_step(run: _Prepared, forward, tc: TrainConfig, context: Distribut
         distributed.gradient_sync(run.wrapped, micro == tc.grad_accum - 1)
         inputs, targets = (t.to(device, non_blocking=True) for t in run.sampler.next())
         with autocast(device, tc.dtype):
-            objective = training_loss(forward, inputs, targets, tc, train_mode, capacity)
+            objective = training_loss(forward, inputs, targets, tc, train_mode, capacity, run.teacher, run.step + 1)
             total, loss = objective.total, objective.lm
             if make_nan:  # the test hook NAN_AT_STEP_ENV
                 total, loss = total * float("nan"), loss * float("nan")

@@ -9,9 +9,11 @@ declares (modcli.models.families: `aux_losses`), computed from what its forward 
 - `exits` (early-exit): the cross-entropy of the exit after every block but the last, weighted by depth, times
   --exit-loss-scale, at weight 1.
 
-The main loss is the language-model loss (`--objective lm`), or with `--objective block-match` the local
-block-match loss of a conversion (`block_match`): each routed block's output against the dense block's on the same
-input, so the backward reaches only the routers.
+The main loss is the language-model loss (`--objective lm`); with `--objective block-match` the local block-match
+loss of a conversion (`block_match`): each modified block's output (routed, or with a dropped sublayer) against the
+original block's on the original's input to it, so the backward stays inside each block; with `--objective distill`
+the KL divergence from the original model's next-token distribution (`distill_loss`), mixed with the LM loss, after
+--local-steps of block-match (blockwise local, then global distillation).
 """
 
 from __future__ import annotations
@@ -150,83 +152,127 @@ def unwrapped(model):
     return getattr(module, "_orig_mod", module)
 
 
+def modified_blocks(decoder) -> list[int]:
+    """The blocks of a conversion that differ from the original's: routed, or with a dropped sublayer."""
+    return [block.layer for block in getattr(decoder, "blocks", [])
+            if getattr(block, "router", None) is not None or getattr(block, "kept", "block") != "block"]
+
+
 def check_objective(model, train: TrainConfig, world_size: int = 1) -> None:
-    """A UserError unless `train.objective` can train `model` (block-match: a routed Mixture-of-Depths decoder whose
-    routers score each block's own input, in one process)."""
-    if train.objective != "block-match":
+    """A UserError unless `train.objective` can train `model` (block-match, and distill's local stage: a Mixture-of-
+    Depths decoder with modified blocks (`modified_blocks`) whose routers score each block's own input, in one
+    process)."""
+    if train.objective == "lm" or (train.objective == "distill" and not train.local_steps):
         return
+    flag = "--objective block-match" if train.objective == "block-match" else "--local-steps"
     decoder = unwrapped(model)
-    if type(decoder) is not MoDDecoder or not decoder.config.routed_layers():
-        raise UserError("--objective block-match needs routed blocks of the Mixture-of-Depths decoder (--arch mod)")
+    if type(decoder) is not MoDDecoder or not modified_blocks(decoder):
+        raise UserError(f"{flag} needs routed blocks or dropped sublayers (--drop) of the Mixture-of-Depths decoder "
+                        "(--arch mod)")
     if any(block.router is not None and block.router.reads_previous_attention for block in decoder.blocks):
-        raise UserError(f"--objective block-match: the {decoder.config.router} router reads the attention of the "
-                        "block before, which the dense pass does not hand on; use --objective lm")
+        raise UserError(f"{flag}: the {decoder.config.router} router reads the attention of the block before, which "
+                        "the dense pass does not hand on; use --objective lm")
     if world_size > 1:
-        raise UserError("--objective block-match runs in one process; use --objective lm under torchrun")
+        raise UserError(f"{flag} runs in one process; use --objective lm (or distill without --local-steps) under "
+                        "torchrun")
 
 
-def block_match(model, tokens: Tensor, routing: str | None = None,
-                capacity: float | None = None) -> tuple[Tensor, ForwardAux, Tensor]:
-    """The block-match loss of `model` (a MoDDecoder, or its compiled wrapper) on tokens (B, T): (the mean over routed
-    blocks of each block's relative squared error, the routed blocks' records, that error per block (routed,)).
+def _dense_step(block, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor) -> Tensor:
+    """A block's output with every token processed (its kept sublayers; the identity when both are dropped)."""
+    if block.kept is None:
+        return x
+    return x + block.delta(x, cos[None], sin[None], part=block.kept, token_ids=tokens)
 
-    The dense model is the same weights with routing off, run once without gradient; routed block i is then run on
-    the dense model's input to it, x_i (detached), and its output y_i compared with the dense block's, d_i:
+
+def block_match(model, tokens: Tensor, routing: str | None = None, capacity: float | None = None,
+                reference=None) -> tuple[Tensor, ForwardAux, Tensor]:
+    """The block-match loss of `model` (a MoDDecoder, or its compiled wrapper) on tokens (B, T): (the mean over
+    modified blocks (`modified_blocks`) of each block's relative squared error, the routed blocks' records, that error
+    per modified block).
+
+    The reference is `reference` (the original model, frozen: --init-from), or else the same weights with routing
+    off, run once without gradient; modified block i is then run on the reference's input to it, x_i (detached), and
+    its output y_i compared with the reference block's, d_i:
 
         error_i = sum_t |y_i,t - d_i,t|^2 / sum_t |d_i,t - x_i,t|^2
 
-    (the squared error of the tokens against the dense block's whole update). With every token processed and a router
-    weight of value 1 (--router-weight unit) y_i = d_i and the loss is 0; the router learns through the gradient
-    of its weight (and its auxiliary loss), and the backward never crosses a frozen block.
+    (the squared error of the tokens against the reference block's whole update). With every token processed, a
+    router weight of value 1 (--router-weight unit) and the reference's weights, y_i = d_i and the loss is 0; the
+    backward never crosses a block, so it reaches only the modified blocks' own parameters (their routers, and their
+    weights or adapters where those train).
     """
     decoder = unwrapped(model)
+    reference = decoder if reference is None else unwrapped(reference)
     routing = decoder.training_mode if routing is None else routing
     seq_len = tokens.shape[1]
     cos, sin = config_rope(decoder.config, torch.arange(seq_len, device=tokens.device))  # (T, hd/2)
-    last = max(block.layer for block in decoder.blocks if block.router is not None)
+    modified = modified_blocks(decoder)
     dense_in, dense_out = {}, {}
     with torch.no_grad():
-        x = decoder.embed(tokens)  # (B, T, D)
-        for block in decoder.blocks[:last + 1]:
-            if block.router is not None:
+        x = reference.embed(tokens)  # (B, T, D)
+        for block in reference.blocks[:max(modified) + 1]:
+            if block.layer in modified:
                 dense_in[block.layer] = x
-            x = x + block.delta(x, cos[None], sin[None], token_ids=tokens)  # the dense block: every token, all of it
-            if block.router is not None:
+            x = _dense_step(block, x, cos, sin, tokens)  # the reference block: every token, all of it
+            if block.layer in modified:
                 dense_out[block.layer] = x
     records, errors = [], []
     for layer, x_in in dense_in.items():
-        routed, record = decoder.blocks[layer](x_in, cos, sin, routing, True, capacity=capacity,
-                                               token_ids=tokens)  # (B, T, D)
+        block = decoder.blocks[layer]
+        if block.router is not None:
+            out, record = block(x_in, cos, sin, routing, True, capacity=capacity, token_ids=tokens)  # (B, T, D)
+            records.append(record)
+        else:  # a dropped sublayer, every token: what is kept
+            out = _dense_step(block, x_in, cos, sin, tokens)
         target = dense_out[layer]
-        error = (routed.float() - target.float()).pow(2).sum()
+        error = (out.float() - target.float()).pow(2).sum()
         errors.append(error / (target.float() - x_in.float()).pow(2).sum().clamp(min=1e-12))
-        records.append(record)
-    per_block = torch.stack(errors)  # (routed,)
+    per_block = torch.stack(errors)  # (modified,)
     return per_block.mean(), ForwardAux(records, decoder.expert_stats()), per_block
 
 
+def distill_loss(logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """KL(teacher || student) of the next-token distributions at `temperature`, mean over tokens, times the
+    temperature's square (Hinton et al.: the gradient's scale stays that of temperature 1); logits (B, T, V)."""
+    student = F.log_softmax(logits.float().flatten(0, 1) / temperature, dim=-1)  # (B x T, V)
+    teacher = F.log_softmax(teacher_logits.float().flatten(0, 1) / temperature, dim=-1)  # (B x T, V)
+    return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature ** 2
+
+
 def training_loss(model, tokens: Tensor, targets: Tensor, train: TrainConfig, routing: str | None = None,
-                  capacity: float | None = None) -> Objective:
+                  capacity: float | None = None, teacher=None, step: int | None = None) -> Objective:
     """The one training objective: a forward of `model` (or its DDP / compiled wrapper) on tokens (B, T), its LM
-    loss against targets (B, T) (or with --objective block-match the block-match loss, `block_match`), plus every
-    auxiliary loss the model's family declares, at its weight. `modcli train` and `modcli profile`'s training step
-    both call this."""
+    loss against targets (B, T) (or with --objective block-match the block-match loss, `block_match`; with distill
+    the KL from `teacher`'s distribution, or the block-match loss against `teacher` while `step` (from 1) is within
+    --local-steps), plus every auxiliary loss the model's family declares, at its weight. `teacher`: the original
+    model (--init-from), frozen. `modcli train` and `modcli profile`'s training step both call this."""
     readers: dict[str, Callable[[], dict]] = {}
-    if train.objective == "block-match":
-        lm, aux, per_block = block_match(model, tokens, routing, capacity)
-        layers = [record.layer for record in aux.records]
+    terms: list[LossTerm] = []
+    local = train.objective == "block-match" or (train.objective == "distill" and step is not None
+                                                 and step <= train.local_steps)
+    if local:
+        lm, aux, per_block = block_match(model, tokens, routing, capacity, teacher)
+        main = lm
+        layers = modified_blocks(unwrapped(model))
         readers["block_match"] = lambda: {f"block{layer}": round(value, 5)
                                           for layer, value in zip(layers, per_block.detach().tolist(), strict=True)}
     else:
         logits, aux = model(tokens, routing, return_aux=True, capacity=capacity)
-        lm = lm_loss(logits, targets)
+        lm = main = lm_loss(logits, targets)
+        if train.objective == "distill":
+            if teacher is None:
+                raise UserError("--objective distill needs the original model (--init-from) to distil from")
+            with torch.no_grad():
+                teacher_logits = teacher(tokens)  # (B, T, V)
+            kl = distill_loss(logits, teacher_logits, train.distill_temperature)
+            main = (1.0 - train.distill_weight) * lm
+            terms.append(LossTerm("distill_loss", kl, train.distill_weight))
     config = unwrapped(model).config
-    terms = []
     for name in config.family.aux_losses:
         more, read = AUX_LOSSES[name](aux, targets, config, train)
         terms += more
         readers.update(read)
-    total = lm
+    total = main
     for term in terms:
         total = total + term.weight * term.value.to(lm.device)
     return Objective(total, lm, terms, aux, readers)

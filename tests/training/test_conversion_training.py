@@ -129,7 +129,7 @@ def test_train_with_the_block_match_objective(trained_dense_run, corpus_file, tm
     assert set(records[0]["block_match"]) == {"block1", "block3"}
 
     result = runner.invoke(app, [*common, "--objective", "distil", "--out", str(tmp_path / "bad")])
-    assert result.exit_code == 2 and "--objective must be one of lm, block-match, got 'distil'" in result.stderr
+    assert result.exit_code == 2 and "--objective must be one of lm, block-match, distill, got 'distil'" in result.stderr
     result = runner.invoke(app, [*common, "--router", "attention", "--objective", "block-match",
                                  "--out", str(tmp_path / "bad2")])
     assert result.exit_code == 2 and "reads the attention of the block before" in result.stderr
