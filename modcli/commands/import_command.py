@@ -20,7 +20,7 @@ def import_command(
     json_output: options.Json = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
-    """Import a pretrained Hugging Face decoder (Llama, Mistral or Qwen2; safetensors) as a dense modcli run
+    """Import a pretrained Hugging Face decoder (Llama, Mistral, Qwen2 or Qwen3; safetensors) as a dense modcli run
     (weights, config, tokenizer)."""
     result = modcli.import_model(modcli.ImportConfig(source, out, **flags),
                                  log=lambda message: stderr.print(message, highlight=False, soft_wrap=True))

@@ -18,8 +18,8 @@ from modcli.config.validation import declared_field_types, require
 from modcli.config.variant_options import MEMBERS, flatten, split_flat, variant_field_types
 
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
-                "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts", "expert_routing",
-                "hash_table")
+                "qk_norm", "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts",
+                "expert_routing", "hash_table")
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 
 
@@ -41,6 +41,9 @@ class ModelConfig(RoutingLayout):
     """Width of each attention head; 0 = d_model / n_heads."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and each key head (its own weight of the head size, shared by the heads), after
+    the projection and before RoPE (Qwen3)."""
     norm_eps: float | None = None
     """Epsilon of the RMSNorms; None = the dtype's machine epsilon (PyTorch's default)."""
     rope_scaling: dict[str, Any] | None = None

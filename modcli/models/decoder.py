@@ -126,6 +126,23 @@ def received_attention(probs: Tensor, rule: str = "neutral", standardise: bool =
     return score
 
 
+class HeadNorm(nn.Module):
+    """RMSNorm of each attention head over its own width (--qk-norm: Qwen3's q_norm and k_norm): x (..., heads, hd)
+    normalised in float32, times the weight (hd,) every head shares, in x's dtype. Written out rather than
+    nn.RMSNorm, which torch.export cannot trace on a 4-D input whose token count is data-dependent (the tokens a
+    routed block selects, in the exported graphs)."""
+
+    def __init__(self, head_dim: int, eps: float | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps  # None: the dtype's machine epsilon, as nn.RMSNorm
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * self.weight.float()).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -133,6 +150,9 @@ class Attention(nn.Module):
         self.sizes = [config.n_heads * config.head_dim] + 2 * [config.kv_heads * config.head_dim]  # q, k, v
         self.qkv = nn.Linear(config.d_model, sum(self.sizes), bias=config.qkv_bias)
         self.proj = nn.Linear(self.sizes[0], config.d_model, bias=False)
+        # --qk-norm (Qwen3): each query and key head RMS-normalised over its own width before RoPE
+        self.q_norm = HeadNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = HeadNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.dropout = config.dropout
         scoring = config.router_options  # A-MoD's --attention-score, when the model's router reads attention
         self.attention_score = scoring.attention_score if isinstance(scoring, AttentionOptions) else None
@@ -143,7 +163,11 @@ class Attention(nn.Module):
         rotated_heads = self.n_heads + self.n_kv_heads  # q's heads, then k's
         # explicit head counts, never -1: a compiled causal prefill's n may be 0, and -1 cannot be inferred then
         heads = self.qkv(x).view(batch, n, rotated_heads + self.n_kv_heads, self.head_dim)  # (B, n, H + 2 Hkv, hd)
-        q, k = apply_rope(heads[:, :, :rotated_heads], cos, sin).transpose(1, 2).split(
+        rotated = heads[:, :, :rotated_heads]  # (B, n, H + Hkv, hd)
+        if self.q_norm is not None:
+            rotated = torch.cat([self.q_norm(rotated[:, :, :self.n_heads]), self.k_norm(rotated[:, :, self.n_heads:])],
+                                dim=2)  # (B, n, H + Hkv, hd)
+        q, k = apply_rope(rotated, cos, sin).transpose(1, 2).split(
             [self.n_heads, self.n_kv_heads], dim=1)  # (B, H, n, hd), (B, Hkv, n, hd)
         return q, k, heads[:, :, rotated_heads:].transpose(1, 2)
 
@@ -155,7 +179,10 @@ class Attention(nn.Module):
         bias = self.qkv.bias[q_width:] if self.qkv.bias is not None else None
         heads = F.linear(x, self.qkv.weight[q_width:], bias).view(batch, n, 2 * self.n_kv_heads,
                                                                    self.head_dim)  # (B, n, 2 Hkv, hd)
-        k = apply_rope(heads[:, :, :self.n_kv_heads], cos, sin).transpose(1, 2)  # (B, Hkv, n, hd)
+        k = heads[:, :, :self.n_kv_heads]  # (B, n, Hkv, hd)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k, cos, sin).transpose(1, 2)  # (B, Hkv, n, hd)
         return k, heads[:, :, self.n_kv_heads:].transpose(1, 2)
 
     def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -164,6 +191,8 @@ class Attention(nn.Module):
         q_width = self.sizes[0]
         bias = self.qkv.bias[:q_width] if self.qkv.bias is not None else None
         q = F.linear(x, self.qkv.weight[:q_width], bias).view(batch, n, self.n_heads, self.head_dim)  # (B, n, H, hd)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         return apply_rope(q, cos, sin).transpose(1, 2)
 
     def share_kv(self, kv: Tensor) -> Tensor:

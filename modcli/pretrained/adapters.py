@@ -1,9 +1,10 @@
 """One adapter per Hugging Face model family: its config.json -> ModelConfig, and its tensor names -> modcli's.
 
-Llama, Mistral and Qwen2 share one decoder layout (pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU MLP), so
-they share `LlamaAdapter`'s name map; each family states what its config may ask for and what modcli refuses. The
-fused tensors: q, k and v projections are concatenated into `attn.qkv` (rows [q; k; v], biases likewise), gate
-and up projections into `mlp.gate_up` (rows [gate; up]). Nothing subclasses or imports `transformers`.
+Llama, Mistral, Qwen2 and Qwen3 share one decoder layout (pre-norm RMSNorm, RoPE, grouped-query attention, SwiGLU
+MLP; Qwen3 adds an RMSNorm on each query and key head, `q_norm`/`k_norm`), so they share `LlamaAdapter`'s name map;
+each family states what its config may ask for and what modcli refuses. The fused tensors: q, k and v projections
+are concatenated into `attn.qkv` (rows [q; k; v], biases likewise), gate and up projections into `mlp.gate_up` (rows
+[gate; up]). Nothing subclasses or imports `transformers`.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def check_config(hf: Any, origin: str = "config.json") -> None:
 class LlamaAdapter:
     architecture = "LlamaForCausalLM"
     has_qkv_bias = False
+    has_qk_norm = False
+    """RMSNorms on each query and key head before RoPE (Qwen3's q_norm, k_norm)."""
 
     def model_config(self, hf: dict[str, Any], seq_len: int | None, tensor_names: Collection[str],
                      origin: str = "config.json") -> ModelConfig:
@@ -125,7 +128,7 @@ class LlamaAdapter:
             rope_base=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
             qkv_bias=self.has_qkv_bias or "model.layers.0.self_attn.q_proj.bias" in tensor_names,
-            rope_scaling=scaling)
+            qk_norm=self.has_qk_norm, rope_scaling=scaling)
 
     def sliding_window(self, hf: dict[str, Any]) -> int | None:
         return None
@@ -151,6 +154,9 @@ class LlamaAdapter:
             if config.qkv_bias:
                 shapes |= {f"{hf}.self_attn.q_proj.bias": (q_rows,), f"{hf}.self_attn.k_proj.bias": (kv_rows,),
                            f"{hf}.self_attn.v_proj.bias": (kv_rows,)}
+            if config.qk_norm:
+                head = (config.head_dim, "head_dim")
+                shapes |= {f"{hf}.self_attn.q_norm.weight": (head,), f"{hf}.self_attn.k_norm.weight": (head,)}
         return shapes
 
     def check_shapes(self, config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], origin: str,
@@ -185,6 +191,9 @@ class LlamaAdapter:
             state[f"{ours}.attn.qkv.weight"] = torch.cat([tensor(f"{p}.weight") for p in attention])
             if config.qkv_bias:
                 state[f"{ours}.attn.qkv.bias"] = torch.cat([tensor(f"{p}.bias") for p in attention])
+            if config.qk_norm:
+                state[f"{ours}.attn.q_norm.weight"] = tensor(f"{hf}.self_attn.q_norm.weight")
+                state[f"{ours}.attn.k_norm.weight"] = tensor(f"{hf}.self_attn.k_norm.weight")
             state[f"{ours}.attn.proj.weight"] = tensor(f"{hf}.self_attn.o_proj.weight")
             state[f"{ours}.mlp_norm.weight"] = tensor(f"{hf}.post_attention_layernorm.weight")
             state[f"{ours}.mlp.gate_up.weight"] = torch.cat([tensor(f"{hf}.mlp.gate_proj.weight"),
@@ -208,4 +217,14 @@ class Qwen2Adapter(LlamaAdapter):
         return hf.get("sliding_window") if hf.get("use_sliding_window") else None
 
 
-ADAPTERS = {adapter.architecture: adapter for adapter in (LlamaAdapter(), MistralAdapter(), Qwen2Adapter())}
+class Qwen3Adapter(Qwen2Adapter):
+    """Qwen2's layout with q_norm and k_norm; q/k/v biases only where the weights hold them (attention_bias, which
+    also puts a bias on the output projection that modcli refuses)."""
+
+    architecture = "Qwen3ForCausalLM"
+    has_qkv_bias = False
+    has_qk_norm = True
+
+
+ADAPTERS = {adapter.architecture: adapter
+            for adapter in (LlamaAdapter(), MistralAdapter(), Qwen2Adapter(), Qwen3Adapter())}

@@ -1,11 +1,14 @@
-"""A llama.cpp GGUF file (Llama, Mistral, Qwen2) read as the Hugging Face model folder it was converted from.
+"""A llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3) read as the Hugging Face model folder it was converted from.
 
-`read_gguf(path)` gives what `modcli import` reads from a folder: a config.json-style dict (so the Llama / Qwen2
-adapter maps it), the tensors under their Hugging Face names, dequantized to float32 one at a time when asked for,
+`read_gguf(path)` gives what `modcli import` reads from a folder: a config.json-style dict (so the Llama / Qwen2 /
+Qwen3 adapter maps it), the tensors under their Hugging Face names, dequantized to float32 one at a time when asked for,
 and a tokenizer.json rebuilt from the file's tokenizer metadata. It mirrors transformers' own GGUF loading
 (`modeling_gguf_pytorch_utils.py`, `integrations/gguf/gguf_tokenizer_mapping.py`) without importing transformers:
-the same names, llama.cpp's Q/K row interleave undone for llama, the same tokenizer pieces, so the token ids
-are transformers'. The `gguf` package is optional and imported only here.
+the same names, llama.cpp's Q/K row interleave undone for llama (its converter leaves qwen2 and qwen3 rows, and
+Qwen3's per-head q/k norms, as Hugging Face has them), the same tokenizer pieces, so the token ids
+are transformers'. One difference: the head size comes from `ARCH.attention.key_length`, which transformers' GGUF
+config does not read (a qwen3 file then gets Qwen3Config's default head_dim, 128). The `gguf` package is optional
+and imported only here.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from modcli.models.decoder import llama3_frequencies
 
 GGUF_EXTRA = 'pip install "modcli[gguf]"'
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 """GGUF `general.architecture` -> the Hugging Face architecture whose adapter imports it (llama.cpp writes Mistral
 as llama)."""
 
@@ -39,6 +42,8 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_OWN_LAYER_TENSORS = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
+"""Layer tensors only some architectures have (Qwen3's RMSNorm on each query and key head)."""
 _ROPE_FREQS = "rope_freqs.weight"
 """Llama 3.1-style RoPE scaling, which llama.cpp stores as one frequency divisor per rotary pair."""
 
@@ -75,7 +80,7 @@ class GgufModel:
                  tokenizer_json: str) -> None:
         self.path = path
         self.architecture = architecture
-        """The file's `general.architecture` (llama or qwen2)."""
+        """The file's `general.architecture` (llama, qwen2 or qwen3)."""
         self.config = config
         """The model's config.json as Hugging Face would write it (architectures, hidden_size, ...)."""
         self.tokenizer_json = tokenizer_json
@@ -151,7 +156,8 @@ def read_gguf(path: str | Path) -> GgufModel:
             raise UserError(f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which modcli "
                             f"cannot dequantize; supported: {', '.join(TENSOR_TYPES)}")
         stored[tensor.name] = tensor
-    tensors = {_hugging_face_name(name, path): tensor for name, tensor in stored.items() if name != _ROPE_FREQS}
+    tensors = {_hugging_face_name(name, architecture, path): tensor for name, tensor in stored.items()
+               if name != _ROPE_FREQS}
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not tokens:
         raise UserError(f"{path}: no tokenizer in the file (tokenizer.ggml.tokens); modcli reads and writes text "
@@ -283,16 +289,18 @@ def _llama3_scaling(rope_freqs: Any, config: dict[str, Any], path: Path) -> dict
     return scaling
 
 
-def _hugging_face_name(gguf_name: str, path: Path) -> str:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; a tensor outside the layout is a UserError."""
+def _hugging_face_name(gguf_name: str, architecture: str, path: Path) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; a tensor outside the architecture's layout is
+    a UserError."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
+    layer_tensors = _LAYER_TENSORS | _OWN_LAYER_TENSORS.get(architecture, {})
     if kind in ("weight", "bias"):
         if len(parts) == 1 and parts[0] in _MODEL_TENSORS:
             return f"{_MODEL_TENSORS[parts[0]]}.{kind}"
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-            return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
-    raise UserError(f"{path}: tensor {gguf_name} is not part of the Llama/Qwen2 layout modcli imports")
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+            return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
+    raise UserError(f"{path}: tensor {gguf_name} is not part of the {architecture} layout modcli imports")
 
 
 def _undo_rotary_interleave(values: torch.Tensor, heads: int) -> torch.Tensor:

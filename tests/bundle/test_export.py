@@ -81,6 +81,7 @@ def test_forward_wrapper_equals_the_model_topk_forward():
 @pytest.mark.parametrize("routing, part, kv_heads, experts", [
     ("router", "block", 0, {}), ("predictor", "block", 2, {}), ("router", "mlp", 0, {}), ("router", "attention", 2, {}),
     *[("router", part, 0, {"experts": 3, "expert_routing": "hash"}) for part in ("block", "mlp", "attention")],
+    ("router", "block", 2, {"qk_norm": True}),  # Qwen3's q/k norms
 ])
 @torch.no_grad()
 def test_decode_wrapper_equals_decode_step_with_the_kv_cache(routing, part, kv_heads, experts):

@@ -46,6 +46,7 @@ MODELS = {
     "route-attention": (dict(route_part="attention"), "router"),
     "route-mlp": (dict(route_part="mlp", router_weight="unit"), "router"),
     "kv-kept": (dict(keep_skipped_kv=True, n_kv_heads=2), "router"),  # skipped tokens keep their K/V
+    "qk-norm-kv-kept": (dict(qk_norm=True, keep_skipped_kv=True, n_kv_heads=2), "router"),  # Qwen3's q/k norms
     "mode-staged": (dict(experts=2, expert_top_k=2), "router"),  # MoD routing + an MoE MLP in every block
     "mode-integrated": (dict(router="integrated", experts=2, noop_experts=1, predictor_hidden=0), None),
     "moe": (dict(route_every=0, experts=3, expert_top_k=1), None),
@@ -73,6 +74,9 @@ def decided_model(config: ModelConfig, seed: int = 0) -> MoDDecoder:
     processed and some skipped."""
     torch.manual_seed(seed)
     model = MoDDecoder(config).eval()
+    for name, weight in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):  # not the 1 they start at: a mix-up would show
+            weight.uniform_(0.5, 1.5)
     for block in model.blocks:
         router = block.router
         cuts = ((getattr(router, "score", None), getattr(router, "logit_threshold", 0.0)),
@@ -350,7 +354,7 @@ def test_the_model_card_names_the_fields_that_matter(exported):
     assert "`router`: router logit > 0" in card and "| capacity | 0.25" in card and "passed" in card
 
 
-# --------------------------------------------------------------------------------- imported Llama/Mistral/Qwen2
+# --------------------------------------------------------------------------- imported Llama/Mistral/Qwen2/Qwen3
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
 def imported(request, tmp_path_factory):
@@ -396,7 +400,8 @@ def test_a_converted_imported_model_round_trips_with_remote_code(imported, tmp_p
     hf = load(tmp_path / "hf")
     tokens = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(hf(tokens).logits, model(tokens, "router"), atol=ATOL, rtol=0)
-    assert hf.config.qkv_bias == (name == "qwen2") and hf.config.tie_word_embeddings == (name == "qwen2")
+    assert hf.config.qkv_bias == (name == "qwen2") and hf.config.qk_norm == (name == "qwen3")
+    assert hf.config.tie_word_embeddings == (name in ("qwen2", "qwen3"))
 
 
 def test_an_early_exit_model_exports_at_full_depth_as_plain_llama(tmp_path):

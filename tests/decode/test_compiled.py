@@ -69,6 +69,7 @@ def _eager_and_static(model: MoDDecoder, routing: str, compile: bool, lengths=(5
     ({"n_kv_heads": 2}, "router"), ({"experts": 2}, "router"), ({"keep_first": 6}, "router"),
     (HASH, "router"), ({**HASH, "route_part": "mlp"}, "router"), ({**HASH, "route_part": "attention"}, "router"),
     ({**HASH, "route_every": 0}, "dense"),
+    ({"qk_norm": True, "n_kv_heads": 2}, "router"),  # Qwen3's q/k norms
 ])
 def test_static_decoder_equals_eager_decoding(overrides, routing):
     model = _model(**overrides)

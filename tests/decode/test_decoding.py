@@ -24,9 +24,10 @@ def _model(**overrides) -> MoDDecoder:
 
 @pytest.mark.parametrize("routing", ["router", "predictor"])
 @pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("shape", [{}, {"qk_norm": True, "n_kv_heads": 2}], ids=["plain", "qk-norm"])
 @torch.no_grad()
-def test_cached_decoding_equals_one_full_forward(routing, dense):
-    model = _model(route_every=0) if dense else _model()
+def test_cached_decoding_equals_one_full_forward(routing, dense, shape):
+    model = _model(route_every=0, **shape) if dense else _model(**shape)
     tokens = torch.randint(0, 256, (3, 40))
     full = model(tokens, routing)  # (B, T, V)
     cache = DecoderCache.allocate(model.config, 3, 40, torch.device("cpu"))

@@ -14,7 +14,7 @@ from tests.conftest import tiny_model_config
 SHAPES = [dict(route_every=0), dict(capacity=0.125, seq_len=64), dict(capacity=0.5),
           dict(route_every=1, route_offset=0, tie_embeddings=False), dict(predictor_hidden=0),
           dict(router="attention"), dict(router="random"), dict(router_hidden=8),
-          dict(n_kv_heads=2, head_size=16, qkv_bias=True)]
+          dict(n_kv_heads=2, head_size=16, qkv_bias=True), dict(n_kv_heads=2, head_size=12, qk_norm=True)]
 
 
 @pytest.mark.parametrize("overrides", SHAPES)

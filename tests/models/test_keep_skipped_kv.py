@@ -94,8 +94,9 @@ def test_capacity_one_without_gating_is_the_unrouted_block():
 @torch.no_grad()
 @pytest.mark.parametrize("part", ["block", "attention"])
 @pytest.mark.parametrize("mode", ["router", "predictor"])
-def test_cached_decoding_equals_the_causal_full_forward(part, mode):
-    model = _model(route_part=part)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_cached_decoding_equals_the_causal_full_forward(part, mode, qk_norm):
+    model = _model(route_part=part, qk_norm=qk_norm)  # qk_norm: the K/V-only and query-only projections norm too
     tokens = torch.randint(0, 256, (3, 14))
     full = model(tokens, mode)  # (B, T, V)
     cache = DecoderCache.allocate(model.config, 3, 14, CPU)
@@ -125,9 +126,9 @@ def test_padded_prefill_caches_every_real_token_and_decodes_like_the_unpadded_ro
 
 @torch.no_grad()
 @pytest.mark.parametrize(("part", "options"), [("block", {}), ("attention", {}), ("block", {"branch_free": True}),
-                                               ("block", {"row_cap": True})])
+                                               ("block", {"row_cap": True}), ("block", {"qk_norm": True})])
 def test_static_decode_step_equals_eager(part, options):
-    model = _model(route_part=part)
+    model = _model(route_part=part, qk_norm=options.get("qk_norm", False))
     mode = model.causal_modes()[0]
     batch = 4
     tokens = torch.randint(0, 256, (batch, 10))

@@ -1,10 +1,10 @@
 """GGUF files: tiny llama.cpp-style files written with `gguf.GGUFWriter` read by modcli.pretrained.gguf give
 transformers' own GGUF loading (its config, its dequantized and renamed tensors, its tokenizer's ids), the weights
-that were written, and the same logits through the Llama / Qwen2 adapter; bad files are one UserError each.
+that were written, and the same logits through the Llama / Qwen2 / Qwen3 adapter; bad files are one UserError each.
 
 transformers' `from_pretrained(gguf_file=...)` insists on `accelerate` (not a modcli dependency) before it calls
 `load_gguf_checkpoint`, so the reference here is that function, given the model transformers builds from the same
-file's config, exactly as `from_pretrained` does for llama and qwen2."""
+file's config, exactly as `from_pretrained` does for llama, qwen2 and qwen3."""
 
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ TEXT = ("The GNU General Public License is a free, copyleft license for software
 # The Hugging Face layout each GGUF tensor comes from (written out here, not taken from the module under test).
 LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
-# (architecture, tied embeddings, q/k/v biases, tokenizer.ggml.pre, storage type of each kind of tensor)
+# (architecture, tied embeddings, q/k/v biases, tokenizer.ggml.pre, storage type of each kind of tensor); qwen3 files
+# also hold q/k norms (`hugging_face_tensors`)
 MODELS = {
     # GQA, untied head, the llama3 pre-tokenizer split, every block type gguf-py can quantize into
     "llama": ("llama", False, False, "llama-bpe", {
@@ -48,6 +50,10 @@ MODELS = {
     "qwen2": ("qwen2", True, True, "qwen2", {
         "token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "Q8_0",
         "ffn_gate": "Q5_1", "ffn_up": "Q5_0", "ffn_down": ("Q5_K", "Q3_K")}),
+    # q/k norms (F32, as llama.cpp keeps every norm), tied embeddings, no biases, no Q/K row interleave either
+    "qwen3": ("qwen3", True, False, "qwen2", {
+        "token_embd": "Q8_0", "attn_q": "F32", "attn_k": "F32", "attn_v": "Q8_0", "attn_output": "F16",
+        "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": ("Q6_K", "Q8_0")}),
     # float files: F32 q/k (the interleave undone exactly), half precision elsewhere, GPT-2's default split
     "llama-float": ("llama", True, False, "smollm", {
         "token_embd": "F16", "attn_q": "F32", "attn_k": "F32", "attn_v": "BF16", "attn_output": "F16",
@@ -88,8 +94,9 @@ def sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, token_types
 
 
-def hugging_face_tensors(vocab_size: int, tied: bool, qkv_bias: bool, seed: int) -> dict[str, np.ndarray]:
-    """Random weights in Hugging Face's names and layout."""
+def hugging_face_tensors(vocab_size: int, tied: bool, qkv_bias: bool, seed: int,
+                         qk_norm: bool = False) -> dict[str, np.ndarray]:
+    """Random weights in Hugging Face's names and layout (`qk_norm`: Qwen3's q_norm and k_norm too)."""
     rng = np.random.default_rng(seed)
 
     def normal(*shape: int) -> np.ndarray:
@@ -112,6 +119,8 @@ def hugging_face_tensors(vocab_size: int, tied: bool, qkv_bias: bool, seed: int)
         if qkv_bias:
             tensors |= {f"{layer}.self_attn.{p}_proj.bias": normal(size)
                         for p, size in (("q", HEADS * HEAD_DIM), ("k", KV_HEADS * HEAD_DIM), ("v", KV_HEADS * HEAD_DIM))}
+        if qk_norm:
+            tensors |= {f"{layer}.self_attn.{p}_norm.weight": 1 + normal(HEAD_DIM) for p in "qk"}
     return tensors
 
 
@@ -235,9 +244,11 @@ def gguf_model(request, tmp_path_factory):
     """(name, path, Hugging Face tensors written, storage type of each)."""
     architecture, tied, qkv_bias, pre, plan = MODELS[request.param]
     tokens, _ = byte_level_vocabulary()
-    tensors = hugging_face_tensors(len(tokens), tied, qkv_bias, seed=len(request.param))
+    tensors = hugging_face_tensors(len(tokens), tied, qkv_bias, seed=len(request.param),
+                                   qk_norm=architecture == "qwen3")
     path = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
-    storage = write_gguf(path, architecture, tensors, plan, byte_level_tokenizer(pre))
+    head_size = dict(key_length=HEAD_DIM, value_length=HEAD_DIM) if architecture == "qwen3" else {}  # as llama.cpp
+    storage = write_gguf(path, architecture, tensors, plan, byte_level_tokenizer(pre), **head_size)
     return request.param, path, tensors, storage
 
 
@@ -247,6 +258,8 @@ def transformers_load(path: Path):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if config.model_type == "qwen3":  # transformers' GGUF config skips the head size, left at Qwen3Config's 128
+        config.head_dim = gguf.GGUFReader(path).fields["qwen3.attention.key_length"].contents()
     model = AutoModelForCausalLM.from_config(config).eval()
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model,
                                    torch_dtype=torch.float32)["tensors"]
@@ -265,7 +278,8 @@ def test_the_state_dict_and_config_are_transformers_own(gguf_model):
         assert ours.dtype == torch.float32 and ours.shape == values.shape, tensor_name
         torch.testing.assert_close(ours, values, atol=1e-6, rtol=0, msg=tensor_name)
     hf = model.config
-    assert hf["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.model_type]]
+    assert hf["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                    "qwen3": "Qwen3ForCausalLM"}[config.model_type]]
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "vocab_size",
                 "tie_word_embeddings", "bos_token_id", "eos_token_id"):
@@ -297,7 +311,7 @@ def test_the_tensors_are_the_weights_that_were_written(gguf_model):
 
 
 def test_the_adapter_imports_the_same_logits(gguf_model):
-    """Through the Llama / Qwen2 adapter (what `modcli import` does), modcli's model is transformers'."""
+    """Through the Llama / Qwen2 / Qwen3 adapter (what `modcli import` does), modcli's model is transformers'."""
     from modcli.models.decoder import MoDDecoder
     from modcli.pretrained.adapters import ADAPTERS
 
@@ -461,13 +475,13 @@ def test_bad_files_are_one_user_error_each(tmp_path, monkeypatch):
         cases.append((path, message))
         return path
 
-    write_gguf(case("gpt2", "GGUF architecture 'gpt2' is not supported; supported: llama, qwen2"), "gpt2",
+    write_gguf(case("gpt2", "GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"), "gpt2",
                tensors, {})
     case("text", "not a readable GGUF file").write_text("this is not a GGUF file\n" * 10)
     case("truncated", "not a readable GGUF file").write_bytes(good.read_bytes()[:5000])
     write_gguf(case("f64", f"stored as F64, which modcli cannot dequantize; supported: {', '.join(TENSOR_TYPES)}"),
                "llama", tensors, {}, extra_tensors=[("output.weight", np.ones((len(tokens), D_MODEL), np.float64))])
-    write_gguf(case("qknorm", "tensor blk.0.attn_q_norm.weight is not part of the Llama/Qwen2 layout"), "llama",
+    write_gguf(case("qknorm", "tensor blk.0.attn_q_norm.weight is not part of the llama layout"), "llama",
                tensors, {}, extra_tensors=[("blk.0.attn_q_norm.weight", np.ones(HEAD_DIM, np.float32))])
     write_gguf(case("bert", "tokenizer 'bert' is not supported; supported: gpt2 (byte-level BPE), llama"), "llama",
                tensors, {}, byte_level_tokenizer(model="bert"))
@@ -522,9 +536,9 @@ def test_malformed_models_are_one_line_exit_2_and_write_nothing(tmp_path):
     tensors = hugging_face_tensors(len(tokens), True, False, seed=3)
     cases = []
 
-    def case(label: str, message: str, model: dict | None = None, **metadata) -> None:
+    def case(label: str, message: str, model: dict | None = None, architecture: str = "llama", **metadata) -> None:
         path = tmp_path / f"{label}.gguf"
-        write_gguf(path, "llama", model or tensors, {}, **metadata)
+        write_gguf(path, architecture, model or tensors, {}, **metadata)
         cases.append((path, message))
 
     case("heads", "metadata llama.attention.head_count (6) does not divide llama.embedding_length (64)",
@@ -545,6 +559,12 @@ def test_malformed_models_are_one_line_exit_2_and_write_nothing(tmp_path):
     case("kshape", "tensor model.layers.1.self_attn.k_proj.weight has shape (16, 64), but the config makes it "
          "(32, 64)", model=narrow_k)
     case("layers", "the weights hold layers 0..1, but llama.block_count is 1", block_count=1)
+    qwen3 = hugging_face_tensors(len(tokens), True, False, seed=3, qk_norm=True)
+    case("nonorm", "tensor model.layers.1.self_attn.k_norm.weight is missing from the file", architecture="qwen3",
+         model={name: values for name, values in qwen3.items() if name != "model.layers.1.self_attn.k_norm.weight"})
+    case("wideqnorm", "tensor model.layers.0.self_attn.q_norm.weight has shape (32,), but the config makes it (16,) "
+         "(qwen3.attention.key_length)", architecture="qwen3",
+         model=dict(qwen3, **{"model.layers.0.self_attn.q_norm.weight": np.ones(32, np.float32)}))
     for path, message in cases:
         out = tmp_path / f"out-{path.stem}"
         result = CliRunner().invoke(app, ["import", str(path), "--out", str(out)])

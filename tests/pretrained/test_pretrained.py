@@ -1,4 +1,4 @@
-"""`modcli import`: tiny random Llama, Mistral and Qwen2 models made offline with `transformers` (a test-only
+"""`modcli import`: tiny random Llama, Mistral, Qwen2 and Qwen3 models made offline with `transformers` (a test-only
 dependency) give the same logits and greedy tokens in modcli; bad folders exit 2 with one line."""
 
 from __future__ import annotations
@@ -26,15 +26,27 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     # GQA, no sliding window in use
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # GQA, q/k norms (random weights), tied embeddings, a head_dim that is not d_model / heads
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=True)),
 }
 ATOL = 1e-4
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+"""The split before byte-level BPE in Qwen's tokenizer.json, which transformers' Qwen2Tokenizer (what AutoTokenizer
+picks for a qwen3 folder without a tokenizer_config.json) applies whatever the file says."""
 
 
-def make_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer(folder: Path, split: str | None = None) -> None:
+    """A byte-level BPE of ~300 tokens at `folder`/tokenizer.json; `split`: a regex split before the bytes (GPT-2's
+    when None)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is not None:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -51,8 +63,12 @@ def save_tiny_hf_model(name: str, folder: Path):
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, **extra)
     model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # transformers starts norm weights at 1; a q/k norm at 1 would hide a weight mix-up
+        for parameter, weight in model.named_parameters():
+            if parameter.endswith(("q_norm.weight", "k_norm.weight")):
+                weight.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
-    make_tokenizer(folder)
+    make_tokenizer(folder, QWEN_SPLIT if name == "qwen3" else None)
     return model
 
 
@@ -171,7 +187,7 @@ def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_
 
     case("gpt2", set_config("architectures", ["GPT2LMHeadModel"]),
          "architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, MistralForCausalLM, "
-         "Qwen2ForCausalLM")
+         "Qwen2ForCausalLM, Qwen3ForCausalLM")
     case("missing", drop_tensor, "tensor model.layers.1.mlp.up_proj.weight is missing from model.safetensors")
     case("pickle", pickle_only, "only pickle weights (pytorch_model.bin)")
     case("window", lambda b: (set_config("use_sliding_window", True)(b), set_config("sliding_window", 8)(b)),
@@ -219,6 +235,37 @@ def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_
     assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
 
 
+def test_bad_qwen3_folders_name_the_q_k_norm_and_exit_2(hf_model, tmp_path):
+    """A Qwen3 folder without a q/k norm, with one of another width, or with attention_bias (which also puts a bias
+    on the output projection): one line naming it, exit 2, nothing written."""
+    name, folder, _ = hf_model
+    if name != "qwen3":
+        pytest.skip("the q/k norms are Qwen3's")
+
+    def edited(label: str, change) -> Path:
+        broken = tmp_path / label
+        shutil.copytree(folder, broken)
+        tensors = load_file(broken / "model.safetensors")
+        change(tensors)
+        save_file(tensors, broken / "model.safetensors")
+        return broken
+
+    cases = [
+        (edited("nonorm", lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")),
+         "tensor model.layers.1.self_attn.k_norm.weight is missing from model.safetensors"),
+        (edited("narrow", lambda t: t.__setitem__("model.layers.0.self_attn.q_norm.weight", torch.ones(16))),
+         "tensor model.layers.0.self_attn.q_norm.weight has shape (16,), but the config makes it (24,) (head_dim)"),
+        (edited("obias", lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.bias", torch.zeros(64))),
+         "a bias on the attention output projection (attention_bias) is not supported"),
+    ]
+    for broken, message in cases:
+        out = tmp_path / f"out-{broken.name}"
+        result = import_run(broken, out)
+        assert result.exit_code == 2, (broken.name, result.output)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert not out.exists()
+
+
 @pytest.mark.slow
 def test_router_tuning_converts_a_frozen_imported_model(hf_model, tmp_path):
     """`--init-from` an imported dense model with a threshold router, training only the routers: the base weights do
@@ -226,8 +273,8 @@ def test_router_tuning_converts_a_frozen_imported_model(hf_model, tmp_path):
     from modcli.checkpoint.store import resolve_checkpoint
 
     name, folder, _ = hf_model
-    if name != "qwen2":
-        pytest.skip("one architecture is enough for the conversion")
+    if name not in ("qwen2", "qwen3"):
+        pytest.skip("Qwen2 (q/k/v biases) and Qwen3 (q/k norms) are enough for the conversion")
     assert import_run(folder, tmp_path / "dense").exit_code == 0
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_corpus_text(1500))
@@ -260,20 +307,53 @@ def test_router_tuning_converts_a_frozen_imported_model(hf_model, tmp_path):
     assert not (tmp_path / "bad").exists()
     result = runner.invoke(app, [*common, "--trainable", "everything", "--out", str(tmp_path / "bad")])
     assert result.exit_code == 2 and "--trainable must be one of all, routers, routers+norms" in result.stderr
-    # Export: the bundle carries the tokenizer and the PyTorch-free runtime generates what modcli generate does.
+    assert_the_bundle_generates_what_modcli_does(tmp_path / "mod", tmp_path / "bundle")
+
+
+def assert_the_bundle_generates_what_modcli_does(run: Path, bundle: Path) -> None:
+    """`modcli export` of `run` validates against eager PyTorch, carries the tokenizer, and the PyTorch-free runtime
+    (what `modcli-run` runs) generates what `modcli generate` does, greedily."""
     from modcli_runtime import load_bundle
 
     from modcli.bundle.writer import ExportConfig, export
     from modcli.decode.generation import GenerateConfig, generate
 
-    bundle = tmp_path / "bundle"
-    exported = export(ExportConfig(checkpoint=str(tmp_path / "mod"), out=str(bundle), provider="cpu", decode_steps=4))
+    exported = export(ExportConfig(checkpoint=str(run), out=str(bundle), provider="cpu", decode_steps=4))
     assert exported.valid, exported.failures
     assert (bundle / "tokenizer.json").is_file()
-    want = generate(GenerateConfig(checkpoint=str(tmp_path / "mod"), prompts=["def f_1(x):"], max_new_tokens=8,
-                                   temperature=0, device="cpu"))
+    want = generate(GenerateConfig(checkpoint=str(run), prompts=["def f_1(x):"], max_new_tokens=8, temperature=0,
+                                   device="cpu"))
     got = load_bundle(bundle).generate(["def f_1(x):"], max_new_tokens=8, temperature=0)
     assert got.tokens == want.tokens and got.texts == want.texts
+
+
+@pytest.mark.slow
+def test_a_static_drop_of_an_imported_model_exports_and_runs(hf_model, tmp_path):
+    """`train --init-from RUN --dense --drop attention:1 --max-steps 0` of an imported Qwen3: the blocks that keep
+    their attention keep their q/k norms, the model is the import with that attention removed, and its ONNX bundle
+    and the runtime work as for any run."""
+    import dataclasses
+
+    from modcli.checkpoint.store import load_model_from
+    from modcli.models.decoder import MoDDecoder
+
+    name, folder, _ = hf_model
+    if name != "qwen3":
+        pytest.skip("Qwen3 (q/k norms) is the layout the other drop tests do not cover")
+    assert import_run(folder, tmp_path / "dense").exit_code == 0
+    result = CliRunner().invoke(app, ["train", "--init-from", str(tmp_path / "dense"), "--dense", "--drop",
+                                      "attention:1", "--max-steps", "0", "--out", str(tmp_path / "dropped")])
+    assert result.exit_code == 0, result.output
+    model, run_config, _ = load_model_from(tmp_path / "dropped")
+    assert run_config.model.qk_norm and run_config.model.drop == "attention:1" and run_config.model.dense
+    assert model.blocks[1].attn is None and model.blocks[0].attn.q_norm is not None
+    original = load_model_from(tmp_path / "dense")[0]
+    expected = MoDDecoder(dataclasses.replace(original.config, drop="attention:1")).eval()
+    expected.load_state_dict(original.state_dict(), strict=False)
+    tokens = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), expected(tokens), atol=1e-6, rtol=0)
+    assert_the_bundle_generates_what_modcli_does(tmp_path / "dropped", tmp_path / "bundle")
 
 
 def test_a_conversion_starts_as_the_model_it_came_from(hf_model, tmp_path):

@@ -1,6 +1,6 @@
 """`modcli export RUN --hf --out OUT`: a run -> a Hugging Face model folder that `transformers` loads.
 
-- `convert`: the folder's config.json and weights. A dense model of the Llama / Mistral / Qwen2 shape becomes that
+- `convert`: the folder's config.json and weights. A dense model of the Llama / Mistral / Qwen2 / Qwen3 shape becomes that
   plain architecture (no remote code); every other model (Mixture-of-Depths routing, MoE, MoDE) becomes a
   `ModcliForCausalLM` whose configuration and modeling files (`remote/`, copied into the folder and named by
   config.json's `auto_map`) need only torch and transformers. Each router answers its causal rule for the folder

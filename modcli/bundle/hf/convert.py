@@ -1,4 +1,4 @@
-"""A modcli model -> a Hugging Face config.json and state dict: the plain Llama / Mistral / Qwen2 architecture for
+"""A modcli model -> a Hugging Face config.json and state dict: the plain Llama / Mistral / Qwen2 / Qwen3 architecture for
 a dense model of their shape, else the folder's own `ModcliForCausalLM` (remote code, `remote/`)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ REMOTE = Path(__file__).resolve().parent / "remote"
 REMOTE_FILES = ("configuration_modcli.py", "modeling_modcli.py")
 AUTO_MAP = {"AutoConfig": "configuration_modcli.ModcliConfig",
             "AutoModelForCausalLM": "modeling_modcli.ModcliForCausalLM"}
-PLAIN = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+PLAIN = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+         "Qwen3ForCausalLM": "qwen3"}
 """The plain architectures a dense model exports as (transformers' own classes, no remote code)."""
 
 
@@ -65,9 +66,12 @@ def refusal(model: MoDDecoder, routing: str) -> str | None:
 def plain_architecture(config: ModelConfig, source: str | None) -> str | None:
     """The transformers class a model exports as without remote code, or None: a dense model with dense MLPs (an
     early-exit model at its full depth is one). It keeps the architecture it was imported from (`source`), except
-    that q/k/v biases without an output bias are Qwen2's layout."""
+    that q/k/v biases without an output bias are Qwen2's layout and q/k norms Qwen3's (both together have no plain
+    architecture: Qwen3's attention_bias also biases the output projection)."""
     if not config.dense or config.experts or config.drop:  # a static drop: the folder's own code (no attention)
         return None
+    if config.qk_norm:
+        return None if config.qkv_bias else "Qwen3ForCausalLM"
     if config.qkv_bias:
         return "Qwen2ForCausalLM"
     return source if source in PLAIN else "LlamaForCausalLM"
@@ -117,7 +121,7 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
     remote = {
         "architectures": ["ModcliForCausalLM"], "model_type": "modcli", "auto_map": AUTO_MAP,
         **_common(config, dtype), "rms_norm_eps": config.norm_eps, "rope_base": config.rope_base,
-        "llama3_rope_scaling": config.rope_scaling, "qkv_bias": config.qkv_bias,
+        "llama3_rope_scaling": config.rope_scaling, "qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm,
         "routed_layers": config.routed_layers(), "route_part": config.route_part, "router_weight": config.router_weight,
         "router_hidden": config.router_hidden, "predictor_hidden": config.predictor_hidden,
         "keep_first": config.keep_first, "capacity": config.capacity, "experts": config.experts,
@@ -143,9 +147,11 @@ def _plain_config(config: ModelConfig, architecture: str, dtype: torch.dtype) ->
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     if model_type == "mistral":
         out.update(sliding_window=None)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         out.update(sliding_window=None, use_sliding_window=False, max_window_layers=config.n_layers,
                    layer_types=["full_attention"] * config.n_layers)
+    if model_type == "qwen3":
+        out.update(attention_bias=False)
     return out
 
 
@@ -164,6 +170,9 @@ def _plain_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[st
         if config.qkv_bias:
             for name, part in zip("qkv", state[f"{ours}.attn.qkv.bias"].split(sizes), strict=True):
                 out[f"{hf}.self_attn.{name}_proj.bias"] = part.contiguous()
+        if config.qk_norm:
+            out[f"{hf}.self_attn.q_norm.weight"] = state[f"{ours}.attn.q_norm.weight"]
+            out[f"{hf}.self_attn.k_norm.weight"] = state[f"{ours}.attn.k_norm.weight"]
         out[f"{hf}.self_attn.o_proj.weight"] = state[f"{ours}.attn.proj.weight"]
         out[f"{hf}.post_attention_layernorm.weight"] = state[f"{ours}.mlp_norm.weight"]
         gate, up = state[f"{ours}.mlp.gate_up.weight"].chunk(2)

@@ -22,7 +22,7 @@ class ModcliConfig(PretrainedConfig):
                  noop_layers: list[int] | None = None, noop_experts: int = 0,
                  expert_weight: str = "probability", expert_routing: str = "learned", use_cache: bool = True,
                  dropped_attention: list[int] | None = None, dropped_mlp: list[int] | None = None,
-                 keep_skipped_kv: bool = False, **kwargs) -> None:
+                 keep_skipped_kv: bool = False, qk_norm: bool = False, **kwargs) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -34,6 +34,7 @@ class ModcliConfig(PretrainedConfig):
         self.rope_base = rope_base
         self.llama3_rope_scaling = llama3_rope_scaling
         self.qkv_bias = qkv_bias
+        self.qk_norm = qk_norm  # an RMSNorm over each query and key head before RoPE (Qwen3)
         self.max_position_embeddings = max_position_embeddings
         self.routed_layers = list(routed_layers or [])  # blocks whose router picks the tokens they process
         self.route_part = route_part  # block, attention or mlp: what a routed block skips for unpicked tokens

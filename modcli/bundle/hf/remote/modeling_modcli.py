@@ -180,6 +180,13 @@ class Attention(nn.Module):
         self.sizes = [self.n_heads * self.head_dim] + 2 * [self.n_kv_heads * self.head_dim]  # q, k, v
         self.qkv = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
         self.proj = nn.Linear(self.sizes[0], config.hidden_size, bias=False)
+        # qk_norm (Qwen3): each query and key head RMS-normalised over its own width before RoPE
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps) if config.qk_norm else None
+
+    def normed(self, heads: Tensor, norm: nn.RMSNorm | None) -> Tensor:
+        """q or k heads (r, H, k, hd) through their per-head RMSNorm, where the model has one."""
+        return heads if norm is None else norm(heads)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, picked: Picked, cache: LayerCache,
                 positions: Tensor | None = None) -> Tensor:
@@ -190,7 +197,8 @@ class Attention(nn.Module):
         r, k, _ = x.shape
         q, keys, values = (t.view(r, k, size // self.head_dim, self.head_dim).transpose(1, 2)
                            for t, size in zip(self.qkv(x).split(self.sizes, dim=-1), self.sizes, strict=True))
-        q, keys = apply_rope(q, cos, sin), apply_rope(keys, cos, sin)
+        q = apply_rope(self.normed(q, self.q_norm), cos, sin)  # (r, H, k, hd)
+        keys = apply_rope(self.normed(keys, self.k_norm), cos, sin)  # (r, Hkv, k, hd)
         keys, values, mask = cache.write_and_read(picked, keys, values)  # (r, Hkv, L, hd), (r, 1, k, L)
         if self.n_kv_heads != self.n_heads:  # each key/value head serves n_heads / n_kv_heads query heads
             keys = keys.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
@@ -203,15 +211,15 @@ class Attention(nn.Module):
         r, k, _ = x.shape
         keys, values = (t.view(r, k, self.n_kv_heads, self.head_dim).transpose(1, 2)
                         for t in self.qkv(x)[..., self.sizes[0]:].split(self.sizes[1:], dim=-1))
-        cache.write_and_read(every, apply_rope(keys, cos, sin), values)
+        cache.write_and_read(every, apply_rope(self.normed(keys, self.k_norm), cos, sin), values)
 
     def attend_cache(self, x: Tensor, cos: Tensor, sin: Tensor, picked: Picked, positions: Tensor,
                      cache: LayerCache) -> Tensor:
         """keep_skipped_kv: the picked tokens x (r, k, D) at positions (r, k) attend to their row's cache (every
         token's K/V, stored by `store`: slot = position), keys at or before their position -> (r, k, D)."""
         r, k, _ = x.shape
-        q = apply_rope(self.qkv(x)[..., :self.sizes[0]].view(r, k, self.n_heads, self.head_dim).transpose(1, 2),
-                       cos, sin)  # (r, H, k, hd)
+        q = self.qkv(x)[..., :self.sizes[0]].view(r, k, self.n_heads, self.head_dim).transpose(1, 2)  # (r, H, k, hd)
+        q = apply_rope(self.normed(q, self.q_norm), cos, sin)
         span = cache.max_length
         keys, values = cache.keys[picked.rows, :, :span], cache.values[picked.rows, :, :span]  # (r, Hkv, L, hd)
         if self.n_kv_heads != self.n_heads:
