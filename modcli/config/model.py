@@ -80,6 +80,12 @@ class ModelConfig(RoutingLayout):
     keep_skipped_kv: bool = False
     """Routed attention (--route-part block or attention): a skipped token still computes and stores its keys and
     values (no query, output projection or MLP), so the processed tokens attend to every earlier token."""
+    skip_update: str = "identity"
+    """What a routed block gives the tokens it skips: identity (nothing: they ride the residual) or linear (a low-rank
+    linear forecast of the skipped update, x + U(D(x)), rank --skip-rank; U starts at zero, so a conversion still
+    starts at the original model; FlexiDepth's adapter, Informed Routing's forecaster)."""
+    skip_rank: int = 16
+    """--skip-update linear: the forecast's rank."""
     drop: str = ""
     """Static drops: sublayers removed for every token, e.g. attention:25-29,mlp:28 (block:N = both): they compute
     nothing, hold no weights and a dropped attention stores no keys and values. The --route-every pattern passes

@@ -23,9 +23,10 @@ from modcli.models.routing.registry import ROUTER_KINDS
 
 ROUTER_WEIGHTS = ("sigmoid", "identity", "none", "unit")
 ROUTE_PARTS = ("block", "attention", "mlp")
+SKIP_UPDATES = ("identity", "linear")
 ROUTING_MODES = ("topk", "router", "predictor")
 MOD_ROUTING_FIELDS = ("capacity", "route_offset", "route_layers", "router", "router_weight", "router_hidden",
-                      "route_part", "predictor_hidden", "keep_first", "keep_skipped_kv")
+                      "route_part", "predictor_hidden", "keep_first", "keep_skipped_kv", "skip_update", "skip_rank")
 """ModelConfig fields of MoD routing (besides route_every), refused by families without MoD routers (the router
 kinds' own options with them: `router_options` stays the default router's defaults)."""
 EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_weight", "noop_experts",
@@ -67,6 +68,9 @@ class RoutingLayout:
         require(not self.keep_skipped_kv or self.route_part != "mlp",
                 "--keep-skipped-kv: with --route-part mlp every token already attends and stores its keys and values; "
                 "it needs --route-part block or attention")
+        require(self.skip_update in SKIP_UPDATES,
+                f"--skip-update must be one of {', '.join(SKIP_UPDATES)}, got {self.skip_update!r}")
+        require(self.skip_rank >= 1, f"--skip-rank must be >= 1, got {self.skip_rank}")
         require(self.router_hidden >= 0, f"--router-hidden must be >= 0, got {self.router_hidden}")
         require(self.experts >= 0, f"--experts must be >= 0, got {self.experts}")
         require(self.noop_experts >= 0, f"--noop-experts must be >= 0, got {self.noop_experts}")

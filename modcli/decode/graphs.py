@@ -299,8 +299,11 @@ class DecodeStepGraph(nn.Module):
                     return residual_update(x, block.mlp(block.mlp_norm(x), token_ids), weight,
                                            keep=decisions[:, None, None])
 
+                x_in = x
                 x = self._branch(decisions, mlp_only, lambda x, router_logits, decisions, token_ids: x.clone(),
                                  (x, router_logits, decisions, token_ids))
+                if block.skip is not None:  # --skip-update linear: the skipped rows' forecast
+                    x = x + block.skip(x_in, decisions[:, None])
                 new_rows += [new_keys, new_values]
                 processed.append(decisions)
                 continue
@@ -349,9 +352,12 @@ class DecodeStepGraph(nn.Module):
             if zero_rows is None:  # every layer's K/V rows have one shape and the cache's dtype
                 zero_rows = torch.zeros((x.shape[0], config.kv_heads, 1, config.head_dim), dtype=keys.dtype,
                                         device=x.device)
+            x_in = x
             x, new_keys, new_values = self._branch(
                 decisions, process, skip,
                 (x, cos, sin, keys, values, lengths, router_logits, decisions, token_ids, zero_rows, *kv_self))
+            if block.skip is not None:  # --skip-update linear: the skipped rows' forecast
+                x = x + block.skip(x_in, decisions[:, None])
             if kv_self:  # every row's K/V, stored for every row (`every_row_layers`); the branch's copies unused
                 new_keys, new_values = kv_self
             if rule.after:  # only attention was routed; the MLP runs on every row

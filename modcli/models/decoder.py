@@ -276,6 +276,21 @@ def dropped_weight(config: ModelConfig, name: str) -> bool:
             or (module in ("mlp", "mlp_norm") and config.mlp_dropped(layer)))
 
 
+class LowRankSkip(nn.Module):
+    """--skip-update linear: a skipped token's forecast update U(D(x)) (D: d_model -> rank, U: rank -> d_model, no
+    biases). U starts at zero, so the block starts as the identity for skipped tokens, as without it."""
+
+    def __init__(self, d_model: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(d_model, rank, bias=False)
+        self.up = nn.Linear(rank, d_model, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, x: Tensor, processed: Tensor) -> Tensor:
+        """The forecast for the tokens of x (..., n, D) that `processed` (..., n) says were skipped, 0 for the rest."""
+        return torch.where(processed.unsqueeze(-1), 0.0, self.up(self.down(x))).to(x.dtype)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -298,6 +313,8 @@ class Block(nn.Module):
         self.mlp_reads_ids = isinstance(self.mlp, MoEMLP) and self.mlp.hashed
         self.routed = config.is_routed(layer)
         self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
+        self.skip = (LowRankSkip(config.d_model, config.skip_rank)
+                     if self.routed and config.skip_update == "linear" else None)
         # A dense block before a block whose router reads attention maps (A-MoD) hands on what each token received,
         # in the router's full-sequence modes (its causal modes decide without them).
         self.feeds_router = (not self.routed and config.is_routed(layer + 1) and layer + 1 < config.n_layers
@@ -383,6 +400,18 @@ class Block(nn.Module):
         counts)`, cached like a dense layer's), and the selected tokens' queries attend to every key at or before
         their position; the rest of the routed work is still the selected tokens' only."""
         idx = selection.selected_idx  # (B, k)
+        if self.skip is not None:  # --skip-update linear: the skipped tokens' forecast, added after the routed work
+            valid = torch.ones_like(idx, dtype=x.dtype) if selection.valid is None else selection.valid.to(x.dtype)
+            processed = torch.zeros(x.shape[:2], dtype=x.dtype, device=x.device).scatter_add(1, idx, valid) > 0
+            forecast = self.skip(x, processed)  # (B, T, D)
+            return self._update_selected(x, selection, router_logits, cos, sin, cache, cache_rows, token_ids,
+                                         every_token) + forecast
+        return self._update_selected(x, selection, router_logits, cos, sin, cache, cache_rows, token_ids, every_token)
+
+    def _update_selected(self, x: Tensor, selection: Selection, router_logits: Tensor, cos: Tensor, sin: Tensor,
+                         cache: LayerKVCache | None, cache_rows: Tensor | None, token_ids: Tensor | None,
+                         every_token) -> Tensor:
+        idx = selection.selected_idx  # (B, k)
         context = None
         if self.config.keep_skipped_kv and route_part(self.config.route_part).attention:
             keys, values = self.attn.keys_values(self.attn_norm(x), cos[None], sin[None])  # (B, Hkv, T, hd) each
@@ -426,6 +455,7 @@ class Block(nn.Module):
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
             x = x + self._decode_delta(x, cos, sin, cache, rows, rule.before)  # no MLP: no ids
         context = None
+        x_in = x  # what the skip forecast reads (--skip-update linear)
         if rule.attention and self.config.keep_skipped_kv:  # every row stores its K/V; only processed rows attend
             every_row = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)  # (B, 1, hd/2)
@@ -455,6 +485,8 @@ class Block(nn.Module):
                 context = (keys[rows], values[rows], mask[rows] if mask is not None else None)
             delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids, context)  # (n, 1, D)
             x = x.index_put((rows,), residual_update(x_rows, delta, weight))
+        if self.skip is not None:
+            x = x + self.skip(x_in, decisions)  # decisions (B, 1): the skipped rows' forecast
         if rule.after:  # only attention was routed; the MLP runs on every row
             x = x + self.mlp(self.mlp_norm(x), token_ids)
         return x
@@ -500,6 +532,8 @@ class MoDDecoder(nn.Module):
             if block.mlp is not None:
                 down = block.mlp.down
                 nn.init.normal_(down if isinstance(down, nn.Parameter) else down.weight, std=residual_std)
+            if block.skip is not None:  # --skip-update linear starts as the identity path
+                nn.init.zeros_(block.skip.up.weight)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -72,6 +72,14 @@ def mlp_flops(config: ModelConfig, layer: int, tokens: int, training: bool = Fal
     return slots * per_token, gate
 
 
+def skip_flops(config: ModelConfig, layer: int, tokens: int) -> int:
+    """--skip-update linear: the skip forecast U(D(x)) of a routed block, computed for all `tokens` (the processed
+    ones' is masked out); counted with the router's FLOPs."""
+    if config.skip_update != "linear" or not config.is_routed(layer):
+        return 0
+    return tokens * 2 * 2 * config.d_model * config.skip_rank
+
+
 def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, training: bool = False,
           batch: int = 1) -> FlopBreakdown:
     """Forward FLOPs of `batch` sequences of `seq_len` tokens (per sequence by default), routed blocks at their
@@ -95,7 +103,7 @@ def flops(config: ModelConfig, seq_len: int, include_predictor: bool = False, tr
         out.router += gate
         if config.has_router_at(layer):
             router, predictor = router_class(config.router).flops(config, seq_len, include_predictor)
-            out.router += batch * router
+            out.router += batch * (router + skip_flops(config, layer, seq_len))
             out.predictor += batch * predictor
     out.head += batch * 2 * seq_len * d * config.vocab_size
     if training:  # exits through the shared norm and head (early exit's exit losses)
@@ -153,7 +161,7 @@ def decode_step_flops(config: ModelConfig, batch: int, layer_work: dict[int, tup
         out.router += gate
         if config.has_router_at(layer):
             router, predictor = router_class(config.router).flops(config, batch, routing == "predictor")
-            out.router += router
+            out.router += router + skip_flops(config, layer, batch)
             out.predictor += predictor
     out.head += batch * 2 * d * config.vocab_size
     return out

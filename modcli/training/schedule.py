@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from modcli.config import ModelConfig, RunConfig, TrainConfig
+from modcli.models.decoder import LowRankSkip
 from modcli.models.flops import training_flops
 from modcli.models.routing.base import Router
 
@@ -55,10 +56,11 @@ def router_parameter_names(model: torch.nn.Module) -> set[str]:
     """The routing parameters of `model`, by their names in `model.named_parameters()` (a DDP / compile wrapper's
     prefix included): every parameter of a routing module (modcli.models.routing.base.Router, its predictor
     included), wherever the family keeps it: an MoD block's router (`blocks.1.router.`), an MoR step's
-    (`routers.0.`). The one answer to "is this a router parameter" for the learning rates, --trainable and what an
+    (`routers.0.`), and a routed block's skip forecast (--skip-update linear: `blocks.1.skip.`), which belongs to its
+    routing. The one answer to "is this a router parameter" for the learning rates, --trainable and what an
     --init-from conversion starts afresh."""
     return {f"{prefix}.{name}" if prefix else name
-            for prefix, module in model.named_modules() if isinstance(module, Router)
+            for prefix, module in model.named_modules() if isinstance(module, (Router, LowRankSkip))
             for name, _ in module.named_parameters()}
 
 

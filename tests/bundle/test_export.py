@@ -45,6 +45,8 @@ def random_checkpoint(root: Path, **overrides) -> Path:
         for block in model.blocks:
             if block.router is not None:
                 block.router.score.bias.fill_(0.0)
+            if block.skip is not None:  # --skip-update linear: not the identity path it starts as
+                block.skip.up.weight.normal_(std=0.2)
     run = RunConfig(model=config, train=TrainConfig(out=str(root)))
     return save_checkpoint(root, 1, model, None, run, {"step": 1}, keep=1)
 

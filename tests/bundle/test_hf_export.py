@@ -47,6 +47,7 @@ MODELS = {
     "route-mlp": (dict(route_part="mlp", router_weight="unit"), "router"),
     "kv-kept": (dict(keep_skipped_kv=True, n_kv_heads=2), "router"),  # skipped tokens keep their K/V
     "qk-norm-kv-kept": (dict(qk_norm=True, keep_skipped_kv=True, n_kv_heads=2), "router"),  # Qwen3's q/k norms
+    "skip-linear": (dict(skip_update="linear", skip_rank=4), "router"),  # skipped tokens: x + U(D(x))
     "mode-staged": (dict(experts=2, expert_top_k=2), "router"),  # MoD routing + an MoE MLP in every block
     "mode-integrated": (dict(router="integrated", experts=2, noop_experts=1, predictor_hidden=0), None),
     "moe": (dict(route_every=0, experts=3, expert_top_k=1), None),
@@ -77,6 +78,8 @@ def decided_model(config: ModelConfig, seed: int = 0) -> MoDDecoder:
     for name, weight in model.named_parameters():
         if name.endswith(("q_norm.weight", "k_norm.weight")):  # not the 1 they start at: a mix-up would show
             weight.uniform_(0.5, 1.5)
+        if name.endswith("skip.up.weight"):  # not the 0 it starts at (the identity path)
+            weight.normal_(std=0.2)
     for block in model.blocks:
         router = block.router
         cuts = ((getattr(router, "score", None), getattr(router, "logit_threshold", 0.0)),

@@ -131,6 +131,7 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
         "dropped_attention": [layer for layer in range(config.n_layers) if config.attention_dropped(layer)],
         "dropped_mlp": [layer for layer in range(config.n_layers) if config.mlp_dropped(layer)],
         "keep_skipped_kv": config.keep_skipped_kv,
+        "skip_rank": config.skip_rank if config.skip_update == "linear" else 0,
     }
     if _routers(model):  # the routers' own rule (modcli.models.routing.base.ExportedRule), one by `refusal`
         (rule,) = _exported_rules(model, routing)

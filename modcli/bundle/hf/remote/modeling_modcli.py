@@ -338,6 +338,18 @@ class Router(nn.Module):
         return self.weight_function(picked.gather(logits)).unsqueeze(-1)
 
 
+class SkipForecast(nn.Module):
+    """A skipped token's low-rank forecast of the routed update: U(D(x))."""
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(width, rank, bias=False)
+        self.up = nn.Linear(rank, width, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.up(self.down(x))
+
+
 class Block(nn.Module):
     def __init__(self, config: ModcliConfig, layer: int) -> None:
         super().__init__()
@@ -356,6 +368,8 @@ class Block(nn.Module):
         # skipped tokens still store their K/V (no query, no update): picked tokens attend to every earlier token
         self.keeps_kv = self.routed and self.routes_attention and getattr(config, "keep_skipped_kv", False)
         self.router = Router(config, layer) if self.routed else None
+        rank = getattr(config, "skip_rank", 0)  # the skipped tokens' low-rank forecast of the update (0: none)
+        self.skip = SkipForecast(config.hidden_size, rank) if self.routed and rank else None
 
     def rope(self, positions: Tensor, picked: Picked) -> tuple[Tensor, Tensor]:
         config = self.config
@@ -386,6 +400,7 @@ class Block(nn.Module):
             every = Picked(real)
             if not every.empty:
                 self.attn.store(self.attn_norm(every.gather(x)), *self.rope(positions, every), every, cache)
+        x_in = x  # what the skipped tokens' forecast reads
         picked = Picked(chosen)
         if not picked.empty:  # no row picked any token: the block costs nothing
             h = picked.gather(x)  # (r, k, D)
@@ -401,6 +416,8 @@ class Block(nn.Module):
             weight = self.router.weight(logits, picked) if self.routed else None
             updated = (h + delta if weight is None else h + weight * delta).to(h.dtype)
             x = picked.scatter(x, torch.where(picked.valid[..., None], updated, h))
+        if self.skip is not None:  # the skipped real tokens: x + U(D(x))
+            x = x + torch.where((chosen | ~real)[..., None], 0.0, self.skip(x_in)).to(x.dtype)
         if not self.routes_mlp:  # only attention was routed; the MLP runs on every token
             x = x + self.mlp(self.mlp_norm(x), ids)
         return x
