@@ -78,10 +78,11 @@ def _block_range(item: str, text: str, n_layers: int, flag: str = "--drop") -> s
 
 def format_drops(drops: dict[str, tuple[int, ...]]) -> str:
     """The canonical text: parts in DROP_PARTS order, each block list as ranges ("attention:25-29,mlp:28")."""
-    return ",".join(f"{part}:{_ranges(drops[part])}" for part in DROP_PARTS if drops.get(part))
+    return ",".join(f"{part}:{format_block_list(drops[part])}" for part in DROP_PARTS if drops.get(part))
 
 
-def _ranges(blocks: tuple[int, ...]) -> str:
+def format_block_list(blocks: tuple[int, ...]) -> str:
+    """(1, 3, 4, 5) -> "1,3-5"."""
     spans: list[list[int]] = []
     for block in blocks:
         if spans and block == spans[-1][1] + 1:

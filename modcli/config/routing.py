@@ -15,7 +15,7 @@ from dataclasses import fields
 from fractions import Fraction
 from typing import Self
 
-from modcli.config.drops import format_drops, parse_drops
+from modcli.config.drops import format_block_list, format_drops, parse_block_list, parse_drops
 from modcli.config.validation import require
 from modcli.config.variant_options import build_options
 from modcli.models.families import DEFAULT_FAMILY, FAMILIES, Family
@@ -34,6 +34,35 @@ EXPERT_FIELDS = ("experts", "expert_top_k", "expert_capacity_factor", "expert_we
 EXPERT_WEIGHTS = ("unit", "probability")
 EXPERT_ROUTINGS = ("learned", "hash")
 HASH_TABLES = ("random", "balanced")
+
+
+@functools.lru_cache(maxsize=64)
+def parse_route_parts(text: str, n_layers: int) -> tuple[tuple[int, str], ...]:
+    """A per-block --route-part, "attention:1-9,mlp:20-25" -> ((1, "attention"), ..., (25, "mlp")) sorted by block
+    (an item without a part continues the previous item's part); a plain part ("block") -> (). Mistakes are one
+    line naming --route-part."""
+    if ":" not in text:
+        return ()
+    parts: dict[int, str] = {}
+    part = None
+    for item in (piece.strip() for piece in text.split(",")):
+        if not item:
+            continue
+        if ":" in item:
+            part, _, item = (s.strip() for s in item.partition(":"))
+            require(part in ROUTE_PARTS, f"--route-part: unknown part {part!r} ({', '.join(ROUTE_PARTS)}), in {text!r}")
+        require(part is not None, f"--route-part: {item!r} names no part; write PART:BLOCKS, e.g. attention:1-9")
+        for layer in parse_block_list(item, n_layers, "--route-part"):
+            require(layer not in parts, f"--route-part: block {layer} is named twice in {text!r}")
+            parts[layer] = part
+    require(bool(parts), f"--route-part: no block named in {text!r}")
+    return tuple(sorted(parts.items()))
+
+
+def format_route_parts(parts: tuple[tuple[int, str], ...]) -> str:
+    """The canonical per-block text: parts in ROUTE_PARTS order, each block list as ranges."""
+    return ",".join(f"{part}:{format_block_list(tuple(layer for layer, p in parts if p == part))}"
+                    for part in ROUTE_PARTS if any(p == part for _, p in parts))
 
 
 @functools.lru_cache(maxsize=64)
@@ -63,9 +92,19 @@ class RoutingLayout:
         require(self.predictor_hidden >= 0, f"--predictor-hidden must be >= 0, got {self.predictor_hidden}")
         require(self.keep_first >= 0, f"--keep-first must be >= 0, got {self.keep_first}")
         require(self.router in ROUTER_KINDS, f"--router must be one of {', '.join(ROUTER_KINDS)}, got {self.router!r}")
-        require(self.route_part in ROUTE_PARTS,
-                f"--route-part must be one of {', '.join(ROUTE_PARTS)}, got {self.route_part!r}")
-        require(not self.keep_skipped_kv or self.route_part != "mlp",
+        per_block = parse_route_parts(self.route_part, self.n_layers)
+        if per_block:  # --route-part attention:1-9,mlp:20-25: the named blocks are the routed ones
+            self.route_part = format_route_parts(per_block)
+            named = [layer for layer, _ in per_block]
+            require(self.route_layers is None or list(self.route_layers) == named,
+                    f"--route-part {self.route_part} names blocks {named} but --route-layers is {self.route_layers}: "
+                    "give one of them (a per-block --route-part routes the blocks it names)")
+            self.route_layers = named
+        else:
+            require(self.route_part in ROUTE_PARTS,
+                    f"--route-part must be one of {', '.join(ROUTE_PARTS)} or PART:BLOCKS,... (e.g. "
+                    f"attention:1-9,mlp:20-25), got {self.route_part!r}")
+        require(not self.keep_skipped_kv or all(self.route_part_at(layer) != "mlp" for layer in self.routed_layers()),
                 "--keep-skipped-kv: with --route-part mlp every token already attends and stores its keys and values; "
                 "it needs --route-part block or attention")
         require(self.skip_update in SKIP_UPDATES,
@@ -227,9 +266,15 @@ class RoutingLayout:
     def routed_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_routed(i)]
 
+    def route_part_at(self, layer: int) -> str:
+        """What the routed block `layer` skips for unselected tokens: block, attention or mlp (--route-part, the same
+        for every block or per block)."""
+        per_block = dict(parse_route_parts(self.route_part, self.n_layers))
+        return per_block.get(layer, "block") if per_block else self.route_part
+
     def attention_is_routed(self, layer: int) -> bool:
         """The layer's attention (and so its KV cache) covers only the tokens its router selects."""
-        return self.is_routed(layer) and self.route_part != "mlp"
+        return self.is_routed(layer) and self.route_part_at(layer) != "mlp"
 
     def kv_is_routed(self, layer: int) -> bool:
         """Only the tokens the layer's router selects store K/V (its KV cache holds the processed tokens only): its
@@ -237,7 +282,7 @@ class RoutingLayout:
         return self.attention_is_routed(layer) and not self.keep_skipped_kv
 
     def mlp_is_routed(self, layer: int) -> bool:
-        return self.is_routed(layer) and self.route_part != "attention"
+        return self.is_routed(layer) and self.route_part_at(layer) != "attention"
 
     def capacity_tokens(self, seq_len: int) -> int:
         """k for a sequence of `seq_len` tokens: max(1, floor(capacity x T)), in exact integer arithmetic.

@@ -287,7 +287,7 @@ class DecodeStepGraph(nn.Module):
             decisions = block.router.decide(x, router_logits, self.routing, positions[:, None],
                                             config.capacity)[:, 0]  # (B,) causal yes/no
             decisions = keep_first_decisions(decisions, positions, config.keep_first)  # (B,) --keep-first
-            rule = route_part(config.route_part)
+            rule = route_part(block.part)
             part = rule.name
             if rule.before:  # every row attends and is cached; only the MLP is routed, and its If holds no cache
                 attn_update, new_keys, new_values = _decode_delta(block, x, cos, sin, keys, values, lengths,

@@ -312,6 +312,7 @@ class Block(nn.Module):
         # Only a hash-routed MoE MLP reads token ids: other blocks gather none (an operator per routed block saved)
         self.mlp_reads_ids = isinstance(self.mlp, MoEMLP) and self.mlp.hashed
         self.routed = config.is_routed(layer)
+        self.part = config.route_part_at(layer) if self.routed else "block"  # what the router skips (--route-part)
         self.router: Router | None = router_class(config.router)(config, layer) if self.routed else None
         self.skip = (LowRankSkip(config.d_model, config.skip_rank)
                      if self.routed and config.skip_update == "linear" else None)
@@ -380,7 +381,7 @@ class Block(nn.Module):
             scores = keep_first_scores(router_logits, positions, keep_first)
             selection = router.select(scores, routing, k if k is not None else router.static_tokens(seq_len, capacity))
         record = RoutingRecord(self.layer, routing, router, router_logits, predictor_logits, selection, capacity)
-        rule = route_part(self.config.route_part)
+        rule = route_part(self.part)
         if rule.before:  # attention (and the KV cache) covers every token; only the MLP is routed
             x = x + self.delta(x, cos[None], sin[None], every_token, part=rule.before)
             cache = None
@@ -413,7 +414,7 @@ class Block(nn.Module):
                          every_token) -> Tensor:
         idx = selection.selected_idx  # (B, k)
         context = None
-        if self.config.keep_skipped_kv and route_part(self.config.route_part).attention:
+        if self.config.keep_skipped_kv and route_part(self.part).attention:
             keys, values = self.attn.keys_values(self.attn_norm(x), cos[None], sin[None])  # (B, Hkv, T, hd) each
             if every_token is not None:
                 layer_cache, rows, counts = every_token
@@ -427,7 +428,7 @@ class Block(nn.Module):
         x_selected = gather_tokens(x, idx)  # (B, k, D)
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None
         selected_ids = token_ids.gather(1, idx) if token_ids is not None and self.mlp_reads_ids else None  # (B, k)
-        delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.config.route_part,
+        delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.part,
                            token_ids=selected_ids, context=context)  # (B, k, D)
         weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
         keep = None if selection.valid is None else selection.valid.unsqueeze(-1)  # (B, k, 1)
@@ -445,7 +446,7 @@ class Block(nn.Module):
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
             return x + self._decode_delta(x, cos, sin, cache, rows, self.kept, token_ids)
-        router, rule = self.router, route_part(self.config.route_part)
+        router, rule = self.router, route_part(self.part)
         part = rule.name
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
         decisions = router.decide(x, router_logits, routing, positions[:, None], self.config.capacity)  # (B, 1)

@@ -48,6 +48,7 @@ MODELS = {
     "kv-kept": (dict(keep_skipped_kv=True, n_kv_heads=2), "router"),  # skipped tokens keep their K/V
     "qk-norm-kv-kept": (dict(qk_norm=True, keep_skipped_kv=True, n_kv_heads=2), "router"),  # Qwen3's q/k norms
     "skip-linear": (dict(skip_update="linear", skip_rank=4), "router"),  # skipped tokens: x + U(D(x))
+    "per-block-parts": (dict(route_part="attention:1,mlp:3"), "router"),  # block 1 routes attention, 3 its MLP
     "mode-staged": (dict(experts=2, expert_top_k=2), "router"),  # MoD routing + an MoE MLP in every block
     "mode-integrated": (dict(router="integrated", experts=2, noop_experts=1, predictor_hidden=0), None),
     "moe": (dict(route_every=0, experts=3, expert_top_k=1), None),
@@ -192,9 +193,10 @@ def test_the_folder_equals_modcli_logits_generate_and_routed_work(name, exported
         _, aux = model(fed, routing, return_aux=True)
         processed = sum(int(record.selection.counts.sum()) for record in aux.records)
         every = fed.shape[1] * len(routed)
-        config = model.config
-        assert attention.total() == (processed if config.route_part != "mlp" else every)
-        assert mlp.total() == (processed if config.route_part != "attention" else every)
+        parts = {record.layer: (int(record.selection.counts.sum()), model.config.route_part_at(record.layer))
+                 for record in aux.records}  # a per-block --route-part: each block its own part
+        assert attention.total() == sum(n if part != "mlp" else fed.shape[1] for n, part in parts.values())
+        assert mlp.total() == sum(n if part != "attention" else fed.shape[1] for n, part in parts.values())
         assert 0 < processed < every
 
 

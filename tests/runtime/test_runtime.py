@@ -259,7 +259,8 @@ ROUTERS = {"topk-mlp": dict(route_part="mlp", n_layers=2),
            "threshold-block": dict(router="threshold", predictor_hidden=0, n_layers=2),
            "static-drops": dict(drop="attention:0,mlp:2"),  # blocks 1 and 3 routed; block 0 has no cache
            "kv-kept": dict(keep_skipped_kv=True, n_kv_heads=2, n_layers=2),  # skipped tokens keep their K/V
-           "skip-linear": dict(skip_update="linear", skip_rank=4, n_layers=2)}  # skipped tokens: x + U(D(x))
+           "skip-linear": dict(skip_update="linear", skip_rank=4, n_layers=2),  # skipped tokens: x + U(D(x))
+           "per-block-parts": dict(route_part="attention:1,mlp:3")}  # block 1 routes attention, block 3 its MLP
 
 
 @pytest.fixture(scope="module")

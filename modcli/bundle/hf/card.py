@@ -89,7 +89,7 @@ def model_card(name: str, model: MoDDecoder, routing: str, origin: Provenance, v
     else:
         router = f"`{config.router}`: {ROUTER_KINDS[config.router].summary}"
         capacity = (f"{config.capacity:g} (the share of tokens training selected); routed blocks "
-                    f"{config.routed_layers()}, skipping the {config.route_part} of unselected tokens"
+                    f"{config.routed_layers()}, skipping the {_skipped(config)} of unselected tokens"
                     + (f"; positions 0..{config.keep_first - 1} always processed" if config.keep_first else ""))
         causal = f"`{routing}`: {caps.notes.get(routing, routing)}"
     quality = "not evaluated in the run (no metrics.jsonl record): `modcli eval RUN` measures it"
@@ -137,3 +137,8 @@ def model_card(name: str, model: MoDDecoder, routing: str, origin: Provenance, v
                 "sequence), in the forward pass and in `generate()` alike; a token it skips costs no attention or "
                 "MLP work, and its KV cache holds only the tokens it processed."]),
         ""])
+
+
+def _skipped(config) -> str:
+    """What the routed blocks skip: one part, or per block (--route-part attention:1-9,mlp:20-25)."""
+    return f"parts per block ({config.route_part})" if ":" in config.route_part else config.route_part

@@ -22,7 +22,7 @@ class ModcliConfig(PretrainedConfig):
                  noop_layers: list[int] | None = None, noop_experts: int = 0,
                  expert_weight: str = "probability", expert_routing: str = "learned", use_cache: bool = True,
                  dropped_attention: list[int] | None = None, dropped_mlp: list[int] | None = None,
-                 keep_skipped_kv: bool = False, qk_norm: bool = False, skip_rank: int = 0,
+                 keep_skipped_kv: bool = False, qk_norm: bool = False, skip_rank: int = 0, route_parts: dict | None = None,
                  **kwargs) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -57,5 +57,6 @@ class ModcliConfig(PretrainedConfig):
         self.dropped_attention = list(dropped_attention or [])  # static drops: blocks without attention (no cache)
         self.dropped_mlp = list(dropped_mlp or [])  # blocks without an MLP
         self.keep_skipped_kv = keep_skipped_kv  # routed attention: skipped tokens still store their K/V
+        self.route_parts = route_parts or {}  # {"layer": part}: a per-block --route-part (else route_part for all)
         self.skip_rank = skip_rank  # > 0: a routed block's skipped tokens get a low-rank forecast x + U(D(x))
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

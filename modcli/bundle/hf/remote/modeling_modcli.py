@@ -363,7 +363,8 @@ class Block(nn.Module):
         noop = config.noop_experts if layer in config.noop_layers else 0
         self.mlp = (MoEMLP(config, noop) if config.experts else SwiGLU(config)) if self.has_mlp else None
         self.routed = layer in config.routed_layers
-        self.part = config.route_part if self.routed else "block"
+        parts = getattr(config, "route_parts", None) or {}  # per block (--route-part attention:1-9,mlp:20-25)
+        self.part = parts.get(str(layer), config.route_part) if self.routed else "block"
         self.routes_attention, self.routes_mlp = ROUTE_PARTS[self.part]
         # skipped tokens still store their K/V (no query, no update): picked tokens attend to every earlier token
         self.keeps_kv = self.routed and self.routes_attention and getattr(config, "keep_skipped_kv", False)
