@@ -22,17 +22,7 @@ def parse_drops(text: str, n_layers: int) -> dict[str, tuple[int, ...]]:
     for one part (overlapping ranges), an empty range (B < A), a block outside 0..n_layers-1, or every block of a part
     dropped (nothing would be left of it) is refused."""
     drops: dict[str, set[int]] = {part: set() for part in DROP_PARTS}
-    part = None
-    for item in (piece.strip() for piece in text.split(",")):
-        if not item:
-            continue
-        if ":" in item:
-            part, _, item = (s.strip() for s in item.partition(":"))
-            if part not in (*DROP_PARTS, "block"):
-                raise UserError(f"--drop: unknown part {part!r} (attention, mlp or block), in {text!r}")
-        if part is None:
-            raise UserError(f"--drop: {item!r} names no part; write PART:BLOCKS, e.g. attention:25-29,mlp:28")
-        blocks = _block_range(item, text, n_layers)
+    for part, blocks in part_items(text, (*DROP_PARTS, "block"), n_layers, "--drop", "attention:25-29,mlp:28"):
         for name in DROP_PARTS if part == "block" else (part,):
             twice = drops[name] & blocks
             if twice:
@@ -44,6 +34,27 @@ def parse_drops(text: str, n_layers: int) -> dict[str, tuple[int, ...]]:
             raise UserError(f"--drop removes the {name} of every block (0-{n_layers - 1}): nothing would be left of "
                             f"it; drop fewer blocks")
     return {name: tuple(sorted(blocks)) for name, blocks in drops.items() if blocks}
+
+
+def part_items(text: str, parts: tuple[str, ...], n_layers: int, flag: str,
+               example: str) -> list[tuple[str, set[int]]]:
+    """The items of a `PART:BLOCKS,...` list (--drop, a per-block --route-part) as (part, blocks), in order: items are
+    comma-separated, PART one of `parts`, BLOCKS a block `N` or a range `A-B` (inclusive); an item without a part
+    continues the previous item's part ("attention:1,3-4"). An unknown part, an item before any part, an empty
+    range or a block outside 0..n_layers-1 is one line naming `flag`."""
+    items: list[tuple[str, set[int]]] = []
+    part = None
+    for item in (piece.strip() for piece in text.split(",")):
+        if not item:
+            continue
+        if ":" in item:
+            part, _, item = (piece.strip() for piece in item.partition(":"))
+            if part not in parts:
+                raise UserError(f"{flag}: unknown part {part!r} ({', '.join(parts)}), in {text!r}")
+        if part is None:
+            raise UserError(f"{flag}: {item!r} names no part; write PART:BLOCKS, e.g. {example}")
+        items.append((part, _block_range(item, text, n_layers, flag)))
+    return items
 
 
 def parse_block_list(text: str, n_layers: int, flag: str) -> tuple[int, ...]:

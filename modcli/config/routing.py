@@ -15,7 +15,7 @@ from dataclasses import fields
 from fractions import Fraction
 from typing import Self
 
-from modcli.config.drops import format_block_list, format_drops, parse_block_list, parse_drops
+from modcli.config.drops import format_block_list, format_drops, parse_drops, part_items
 from modcli.config.validation import require
 from modcli.config.variant_options import build_options
 from modcli.models.families import DEFAULT_FAMILY, FAMILIES, Family
@@ -44,15 +44,8 @@ def parse_route_parts(text: str, n_layers: int) -> tuple[tuple[int, str], ...]:
     if ":" not in text:
         return ()
     parts: dict[int, str] = {}
-    part = None
-    for item in (piece.strip() for piece in text.split(",")):
-        if not item:
-            continue
-        if ":" in item:
-            part, _, item = (s.strip() for s in item.partition(":"))
-            require(part in ROUTE_PARTS, f"--route-part: unknown part {part!r} ({', '.join(ROUTE_PARTS)}), in {text!r}")
-        require(part is not None, f"--route-part: {item!r} names no part; write PART:BLOCKS, e.g. attention:1-9")
-        for layer in parse_block_list(item, n_layers, "--route-part"):
+    for part, blocks in part_items(text, ROUTE_PARTS, n_layers, "--route-part", "attention:1-9,mlp:20-25"):
+        for layer in sorted(blocks):
             require(layer not in parts, f"--route-part: block {layer} is named twice in {text!r}")
             parts[layer] = part
     require(bool(parts), f"--route-part: no block named in {text!r}")

@@ -7,15 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modcli.decode.static import StaticDecoder
 from modcli.errors import UserError
-from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder, config_rope
 from modcli.models.flops import flops
 from tests.conftest import tiny_model_config
-
-CPU = torch.device("cpu")
-ATOL = 1e-5
+from tests.models.decoding_checks import assert_cached_decoding_equals_forward, assert_static_step_equals_eager
 
 
 def test_parsing_names_the_routed_blocks_and_is_canonical():
@@ -63,29 +59,14 @@ def test_each_block_routes_its_own_part():
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["router", "predictor"])
 def test_cached_decoding_equals_the_causal_full_forward(mode):
-    model = _model()
-    tokens = torch.randint(0, 256, (3, 14))
-    full = model(tokens, mode)
-    cache = DecoderCache.allocate(model.config, 3, 14, CPU)
-    steps = [model(tokens[:, :4], mode, cache=cache)]
-    steps += [model.decode_step(tokens[:, t], cache, mode)[:, None] for t in range(4, 14)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+    cache = assert_cached_decoding_equals_forward(_model(), mode)
     assert cache.layers[3].lengths.tolist() == [14, 14, 14]  # an MLP-routed block caches every token
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("branch_free", [False, True])
 def test_static_decode_step_equals_eager(branch_free):
-    model = _model()
-    batch, mode = 4, model.causal_modes()[0]
-    tokens = torch.randint(0, 256, (batch, 10))
-    static = StaticDecoder(model, batch, 20, mode, CPU, "float32", compile=False, branch_free=branch_free)
-    cache = DecoderCache.allocate(model.config, batch, 20, CPU)
-    torch.testing.assert_close(static.prefill(tokens), model(tokens, mode, cache=cache), atol=ATOL, rtol=0)
-    for t in range(4):
-        following = torch.randint(0, 256, (batch,), generator=torch.Generator().manual_seed(t))
-        torch.testing.assert_close(static.step(following), model.decode_step(following, cache, mode), atol=ATOL,
-                                   rtol=0)
+    assert_static_step_equals_eager(_model(), branch_free=branch_free)
 
 
 def test_flops_route_each_blocks_own_part():

@@ -10,12 +10,12 @@ from typer.testing import CliRunner
 
 from modcli.cli import app
 from modcli.config import ModelConfig
-from modcli.decode.static import StaticDecoder
 from modcli.errors import UserError
 from modcli.models.cache import DecoderCache
 from modcli.models.decoder import MoDDecoder, config_rope
 from modcli.models.flops import decode_step_flops, flops
 from tests.conftest import tiny_model_config
+from tests.models.decoding_checks import assert_cached_decoding_equals_forward, assert_static_step_equals_eager
 
 CPU = torch.device("cpu")
 ATOL = 1e-5
@@ -71,13 +71,7 @@ def test_skipped_tokens_get_the_forecast_and_processed_ones_the_block():
 @pytest.mark.parametrize("part", ["block", "attention", "mlp"])
 @pytest.mark.parametrize("mode", ["router", "predictor"])
 def test_cached_decoding_equals_the_causal_full_forward(part, mode):
-    model = _model(route_part=part)
-    tokens = torch.randint(0, 256, (3, 14))
-    full = model(tokens, mode)  # (B, T, V)
-    cache = DecoderCache.allocate(model.config, 3, 14, CPU)
-    steps = [model(tokens[:, :4], mode, cache=cache)]
-    steps += [model.decode_step(tokens[:, t], cache, mode)[:, None] for t in range(4, 14)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=ATOL, rtol=0)
+    assert_cached_decoding_equals_forward(_model(route_part=part), mode)
 
 
 @torch.no_grad()
@@ -85,16 +79,7 @@ def test_cached_decoding_equals_the_causal_full_forward(part, mode):
                                                ("block", {"branch_free": True}), ("block", {"kv": True})])
 def test_static_decode_step_equals_eager(part, options):
     model = _model(route_part=part, keep_skipped_kv=options.get("kv", False))
-    batch, mode = 4, model.causal_modes()[0]
-    tokens = torch.randint(0, 256, (batch, 10))
-    static = StaticDecoder(model, batch, 20, mode, CPU, "float32", compile=False,
-                           branch_free=options.get("branch_free", False))
-    cache = DecoderCache.allocate(model.config, batch, 20, CPU)
-    torch.testing.assert_close(static.prefill(tokens), model(tokens, mode, cache=cache), atol=ATOL, rtol=0)
-    for t in range(4):
-        following = torch.randint(0, 256, (batch,), generator=torch.Generator().manual_seed(t))
-        torch.testing.assert_close(static.step(following), model.decode_step(following, cache, mode), atol=ATOL,
-                                   rtol=0)
+    assert_static_step_equals_eager(model, branch_free=options.get("branch_free", False))
 
 
 def test_flops_count_the_forecast_of_every_token():

@@ -222,17 +222,22 @@ def test_bad_model_folders_exit_2_with_one_line_and_write_nothing(hf_model, tmp_
     # a tokenizer with ids past the model's vocabulary (an IndexError in generate and eval before)
     case("bigtok", add_tokens(40), "the tokenizer has 340 tokens but the model's vocabulary has 320")
     case("badtok", lambda b: (b / "tokenizer.json").write_text("{}"), "not a readable tokenizer.json")
+    assert_imports_refused(cases, tmp_path)
+    result = import_run(tmp_path / "nowhere", tmp_path / "out")
+    assert result.exit_code == 2 and "no such model folder" in result.stderr
+    assert import_run(folder, tmp_path / "twice").exit_code == 0
+    result = import_run(folder, tmp_path / "twice")
+    assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
+
+
+def assert_imports_refused(cases: list[tuple[Path, str]], tmp_path: Path) -> None:
+    """Each (folder, message): `modcli import` says the message in one line, exits 2 and writes nothing."""
     for broken, message in cases:
         out = tmp_path / f"out-{broken.name}"
         result = import_run(broken, out)
         assert result.exit_code == 2, (broken.name, result.output)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not out.exists()
-    result = import_run(tmp_path / "nowhere", tmp_path / "out")
-    assert result.exit_code == 2 and "no such model folder" in result.stderr
-    assert import_run(folder, tmp_path / "twice").exit_code == 0
-    result = import_run(folder, tmp_path / "twice")
-    assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
 
 
 def test_bad_qwen3_folders_name_the_q_k_norm_and_exit_2(hf_model, tmp_path):
@@ -258,12 +263,7 @@ def test_bad_qwen3_folders_name_the_q_k_norm_and_exit_2(hf_model, tmp_path):
         (edited("obias", lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.bias", torch.zeros(64))),
          "a bias on the attention output projection (attention_bias) is not supported"),
     ]
-    for broken, message in cases:
-        out = tmp_path / f"out-{broken.name}"
-        result = import_run(broken, out)
-        assert result.exit_code == 2, (broken.name, result.output)
-        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert not out.exists()
+    assert_imports_refused(cases, tmp_path)
 
 
 @pytest.mark.slow
