@@ -63,7 +63,9 @@ def sensitivity(
 
 
 def _print_plan(plan) -> None:
-    stdout.print(f"plan ({plan.path}): --drop {plan.drop}", highlight=False, soft_wrap=True)
+    routed = (f" --route-part {plan.route_part} --capacity {plan.capacity:g}"
+              + (" --keep-skipped-kv" if plan.keep_skipped_kv else "") if plan.route_part else "")
+    stdout.print(f"plan ({plan.path}): --drop {plan.drop}{routed}", highlight=False, soft_wrap=True)
     stdout.print(f"forward FLOPs {plan.flops_ratio:.3f} of the model's at T {plan.seq_len} (target "
                  f"{plan.target_flops:g}); predicted loss {plan.predicted_loss:.4f} against {plan.dense_loss:.4f} "
                  f"({(plan.predicted_loss - plan.dense_loss) / plan.dense_loss:+.1%}; the cuts' costs added, each "

@@ -259,9 +259,11 @@ def measured_map(config: SensitivityConfig) -> SensitivityResult:
 
 
 def plan_from(config: SensitivityConfig, result: SensitivityResult) -> Plan:
-    """--plan: the cheapest static drops meeting --target-flops (modcli.evaluation.plan), written as TOML."""
+    """--plan: the cheapest cuts (static drops, and routed sublayers with --plan-routing) meeting --target-flops
+    (modcli.evaluation.plan), written as TOML."""
     model = read_config(Path(result.checkpoint)).model
-    plan = plan_drops(model, result.results, result.dense_loss, result.seq_len, config.target_flops)
+    plan = plan_drops(model, result.results, result.dense_loss, result.seq_len, config.target_flops,
+                      config.plan_routing, config.plan_keep_skipped_kv)
     write_plan(plan, config.plan, result.checkpoint)
     return plan
 

@@ -43,6 +43,12 @@ class SensitivityConfig:
     to --target-flops of the model's; `modcli train --init-from RUN --config PLAN --max-steps 0` converts."""
     target_flops: float = 0.8
     """--plan: the planned model's forward FLOPs as a share of the model's, in (0, 1), at the window length."""
+    plan_routing: float | None = None
+    """--plan: also consider routing each sublayer with this share of the tokens skipping it (capacity 1 - share, a
+    per-block --route-part), costed by the map's loss at that share (it must be one of the map's --shares)."""
+    plan_keep_skipped_kv: bool = False
+    """--plan-routing: routed attention keeps the skipped tokens' keys and values (--keep-skipped-kv), costed by the
+    map's K/V-kept share loss; MLPs are then only dropped."""
     measured: str | None = None
     """A map saved by `modcli sensitivity --json`: plan from it without measuring again (its checkpoint must be this
     one)."""
@@ -62,6 +68,13 @@ class SensitivityConfig:
         require(0 < self.target_flops < 1, f"--target-flops must be in (0, 1), got {self.target_flops}")
         require(self.plan is None or self.plan.lower().endswith(".toml"), f"--plan must name a .toml file, got "
                                                                           f"{self.plan!r}")
+        require(self.plan_routing is None or 0 < self.plan_routing < 1,
+                f"--plan-routing must be in (0, 1) (the share of tokens a routed sublayer skips), got "
+                f"{self.plan_routing}")
+        require((self.plan_routing is None and not self.plan_keep_skipped_kv) or self.plan is not None,
+                "--plan-routing: give --plan PLAN.toml")
+        require(not self.plan_keep_skipped_kv or self.plan_routing is not None,
+                "--plan-keep-skipped-kv: give --plan-routing SHARE")
         require(self.measured is None or self.plan is not None, "--measured: give --plan PLAN.toml (it plans from "
                                                                  "a saved map)")
 

@@ -4,6 +4,7 @@ tokens only, and the command's JSON, table, heatmap and bad-input lines."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from modcli.cli import app
 from modcli.config import DataConfig, RunConfig, TrainConfig
 from modcli.data.corpus import evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
+from modcli.errors import UserError
 from modcli.evaluation.sensitivity import (
     blocks_from,
     dense_pass,
@@ -307,3 +309,66 @@ def test_a_plan_meets_its_flop_target_with_the_cheapest_cuts_and_converts(dense_
     result = runner.invoke(app, ["sensitivity", str(dense_run), "--measured", str(saved), "--plan", str(plan_file),
                                  "--target-flops", "0.05"])
     assert result.exit_code == 2 and "cannot be met by static drops" in result.stderr
+
+
+def _synthetic_map(n_layers: int, routed_cost: float, drop_cost: float, kv_cost: float | None = None) -> list[dict]:
+    """A map of `n_layers` blocks whose drops cost `drop_cost` and whose 0.5-share skips cost `routed_cost`."""
+    results = []
+    for block in range(n_layers):
+        for part in ("attention", "mlp", "block"):
+            scale = 2.0 if part == "block" else 1.0
+            results.append({"block": block, "part": part, "drop_loss": 1.0 + scale * drop_cost,
+                            "share_losses": {"0.5": 1.0 + scale * routed_cost},
+                            "share_losses_kv_kept": {"0.5": 1.0 + scale * (kv_cost or routed_cost)}})
+    return results
+
+
+def test_a_plan_with_routing_routes_where_skipping_is_cheaper_per_flop_and_converts(dense_run, tmp_path):
+    """--plan-routing 0.5: routed sublayers compete with drops by cost per FLOP; a block is dropped or routed, never
+    both; the TOML (a per-block --route-part at capacity 0.5) converts; without the share in the map: one line."""
+    from modcli.config import load_toml
+    from modcli.evaluation.plan import plan_drops, write_plan
+    from modcli.models.flops import flops
+
+    config = load_model_from(dense_run)[0].config
+    total = flops(config, 32).total
+    cheap_routing = plan_drops(config, _synthetic_map(4, routed_cost=0.001, drop_cost=0.5), 1.0, 32, 0.9, 0.5)
+    assert cheap_routing.cuts and all(cut.how == "route" for cut in cheap_routing.cuts)
+    assert cheap_routing.route_part and cheap_routing.capacity == 0.5 and cheap_routing.drop == ""
+    planned = dataclasses.replace(config, route_every=0, route_part=cheap_routing.route_part, capacity=0.5)
+    assert flops(planned, 32).total / total == pytest.approx(cheap_routing.flops_ratio) and \
+        cheap_routing.flops_ratio <= 0.9
+    cheap_drops = plan_drops(config, _synthetic_map(4, routed_cost=0.5, drop_cost=0.001), 1.0, 32, 0.85, 0.5)
+    assert all(cut.how == "drop" for cut in cheap_drops.cuts) and cheap_drops.route_part == ""
+    for plan in (cheap_routing, cheap_drops):
+        for block in {cut.block for cut in plan.cuts}:
+            assert len({cut.how for cut in plan.cuts if cut.block == block}) == 1
+    kv_kept = plan_drops(config, _synthetic_map(4, 0.001, 0.5), 1.0, 32, 0.9, 0.5, keep_skipped_kv=True)
+    assert all(cut.part == "attention" for cut in kv_kept.cuts if cut.how == "route") and kv_kept.keep_skipped_kv
+
+    plan_file = tmp_path / "plan.toml"
+    write_plan(cheap_routing, plan_file, str(dense_run))
+    values = load_toml(plan_file)
+    assert values["route_part"] == cheap_routing.route_part and values["capacity"] == 0.5
+    out = tmp_path / "converted"
+    result = runner.invoke(app, ["train", "--init-from", str(dense_run), "--config", str(plan_file), "--max-steps",
+                                 "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    converted = load_model_from(out)[0].config
+    assert converted.route_part == cheap_routing.route_part and converted.capacity == 0.5
+
+    with pytest.raises(UserError, match="--plan-routing 0.25: the map has no share_losses at that share"):
+        plan_drops(config, _synthetic_map(4, 0.1, 0.1), 1.0, 32, 0.85, 0.25)
+    older = [{key: value for key, value in r.items() if key != "share_losses_kv_kept"} for r in _synthetic_map(4, 0.1, 0.1)]
+    with pytest.raises(UserError, match="no share_losses_kv_kept at that share"):  # a map saved before it was measured
+        plan_drops(config, older, 1.0, 32, 0.85, 0.5, keep_skipped_kv=True)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--plan-routing", "0.5"], "--plan-routing: give --plan"),
+    (["--plan", "p.toml", "--plan-routing", "1"], "--plan-routing must be in (0, 1)"),
+    (["--plan", "p.toml", "--plan-keep-skipped-kv"], "--plan-keep-skipped-kv: give --plan-routing"),
+])
+def test_bad_plan_routing_flags_are_one_line(dense_run, args, says):
+    result = runner.invoke(app, ["sensitivity", str(dense_run), *args])
+    assert result.exit_code == 2 and says in result.stderr, result.output
