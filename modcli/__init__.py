@@ -22,7 +22,7 @@ _EXPORTS = {
     "Utf8Stream": "modcli_runtime.text",
     "MoDDecoder": "modcli.models.decoder", "train": "modcli.training.loop",
     "ExportConfig": "modcli.bundle.config", "export": "modcli.bundle.writer",
-    "export_hf": "modcli.bundle.hf.writer",
+    "export_hf": "modcli.bundle.hf.writer", "export_gguf": "modcli.bundle.gguf_export",
     "ProfileConfig": "modcli.profiling.config", "profile": "modcli.profiling.profile",
     "ImportConfig": "modcli.pretrained.importer", "import_model": "modcli.pretrained.importer",
     "RouteConfig": "modcli.reports.route_map", "route_map": "modcli.reports.route_map",

@@ -23,12 +23,16 @@ def export(
     flags: dict[str, Any] | None = None,
 ) -> None:
     """Export a checkpoint to a validated bundle: ONNX forward (top-k) and decode-step (causal, KV cache) graphs;
-    with --hf, to a Hugging Face folder that transformers loads (checked against modcli where it is installed)."""
+    with --hf, to a Hugging Face folder that transformers loads (checked against modcli where it is installed);
+    with --gguf, to one GGUF file for llama.cpp (a dense or attention-dropped model; checked before it is written)."""
     log = (lambda message: None) if json_output else (lambda message: stderr.print(message, highlight=False,
                                                                                    soft_wrap=True))
     config = modcli.ExportConfig(checkpoint, **flags)
     if config.hf:
         _hf_export(config, log, json_output)
+        return
+    if config.gguf:
+        _gguf_export(config, log, json_output)
         return
     result = modcli.export(config, log=log)
     if json_output:
@@ -66,6 +70,36 @@ def _hf_export(config, log, json_output: bool) -> None:
     stdout.print(f"Hugging Face folder ({result.architecture}" + (", remote code" if result.remote_code else "")
                  + f") written in {result.seconds:.1f} s: {result.folder}", highlight=False, soft_wrap=True)
     stdout.print(files, highlight=False, soft_wrap=True)
+
+
+def _gguf_export(config, log, json_output: bool) -> None:
+    result = modcli.export_gguf(config, log=log)
+    if json_output:
+        print_json(dataclasses.asdict(result))
+    else:
+        checks = Table(title=f"{result.architecture} GGUF file against modcli ({result.dtype} weights alike, atol "
+                             f"{result.atol:g})")
+        for column in ("reader", "case", "max |diff|", "result"):
+            checks.add_column(column, justify="right" if column == "max |diff|" else "left")
+        for c in result.checks:
+            diff = "-" if c.max_abs_diff is None else f"{c.max_abs_diff:.2e}"
+            checks.add_row(c.runner, c.case, diff, "[green]pass[/]" if c.passed else f"[red]FAIL[/] {c.detail}")
+        stdout.print(checks)
+        for note in result.notes:
+            stdout.print(f"note: {note}", highlight=False, soft_wrap=True)
+        if result.float32_diff is not None:
+            stdout.print(f"against modcli's float32 weights: max |diff| {result.float32_diff:.2e} (what {result.dtype} "
+                         "storage costs)", highlight=False, soft_wrap=True)
+        if result.valid:
+            stdout.print(f"GGUF file ({result.architecture}, {result.dtype}, {result.tensors} tensors, "
+                         f"{result.bytes / 1e6:.2f} MB) written in {result.seconds:.1f} s: {result.file}",
+                         highlight=False, soft_wrap=True)
+    if not result.valid:
+        failed = "; ".join(f"{c.runner}, {c.case}: " + (c.detail or f"max |diff| {c.max_abs_diff:.3g}")
+                           for c in result.checks if not c.passed)
+        stderr.print(f"[red]error: the GGUF file differs from modcli, nothing written to {result.file}: {failed}[/]",
+                     highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def _print_report(result) -> None:
