@@ -120,8 +120,13 @@ class TrainConfig:
     distill_weight: float = 1.0
     """--objective distill: the training loss is this x KL + (1 - this) x the LM loss."""
     local_steps: int = 0
-    """--objective distill: train the first this many steps with the block-match loss against the original's blocks
-    (local distillation: each backward stays inside one block), then with the KL."""
+    """--objective distill: train the first this many steps (after --router-warmup) with the block-match loss against
+    the original's blocks (local distillation: each backward stays inside one block), then with the KL."""
+    router_warmup: int = 0
+    """Train the first this many steps the routers (and predictors) alone, each against oracle labels at the capacity
+    in force: the tokens whose own update in the original block (--init-from's with --objective distill or
+    block-match, else the same weights with routing off) is largest, by BCE; then the objective (after it, a
+    distill run's --local-steps). 0 = off."""
     keep: int = 3
     """Keep the newest N checkpoints."""
     parallel: str = "ddp"
@@ -162,6 +167,7 @@ class TrainConfig:
         require(self.distill_temperature > 0, f"--distill-temperature must be positive, got {self.distill_temperature}")
         require(0.0 <= self.distill_weight <= 1.0, f"--distill-weight must be in [0, 1], got {self.distill_weight}")
         require(self.local_steps >= 0, f"--local-steps must be >= 0, got {self.local_steps}")
+        require(self.router_warmup >= 0, f"--router-warmup must be >= 0, got {self.router_warmup}")
         require(self.objective != "distill" or self.init_from is not None,
                 "--objective distill needs --init-from (the original model to distil from)")
         require(self.local_steps == 0 or self.objective == "distill",

@@ -13,7 +13,9 @@ The main loss is the language-model loss (`--objective lm`); with `--objective b
 loss of a conversion (`block_match`): each modified block's output (routed, or with a dropped sublayer) against the
 original block's on the original's input to it, so the backward stays inside each block; with `--objective distill`
 the KL divergence from the original model's next-token distribution (`distill_loss`), mixed with the LM loss, after
---local-steps of block-match (blockwise local, then global distillation).
+--local-steps of block-match (blockwise local, then global distillation). The first --router-warmup steps of any
+objective train the routers alone against oracle labels (`router_warmup_loss`: the tokens whose own update in the
+original block is largest), before the joint stage.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from modcli.config import ModelConfig, TrainConfig
 from modcli.errors import UserError
 from modcli.models.decoder import ForwardAux, MoDDecoder, config_rope
 from modcli.models.routing.base import RoutingRecord
+from modcli.models.routing.block_rule import keep_first_scores, route_part
+from modcli.models.routing.selection import select_topk, topk_labels
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -162,6 +166,8 @@ def check_objective(model, train: TrainConfig, world_size: int = 1) -> None:
     """A UserError unless `train.objective` can train `model` (block-match, and distill's local stage: a Mixture-of-
     Depths decoder with modified blocks (`modified_blocks`) whose routers score each block's own input, in one
     process)."""
+    if train.router_warmup:
+        _check_router_warmup(unwrapped(model), world_size)
     if train.objective == "lm" or (train.objective == "distill" and not train.local_steps):
         return
     flag = "--objective block-match" if train.objective == "block-match" else "--local-steps"
@@ -175,6 +181,34 @@ def check_objective(model, train: TrainConfig, world_size: int = 1) -> None:
     if world_size > 1:
         raise UserError(f"{flag} runs in one process; use --objective lm (or distill without --local-steps) under "
                         "torchrun")
+
+
+def _check_router_warmup(decoder, world_size: int) -> None:
+    if type(decoder) is not MoDDecoder or not any(block.router is not None for block in decoder.blocks):
+        raise UserError("--router-warmup trains the routers of routed blocks (--route-every, --route-layers or a "
+                        "per-block --route-part of --arch mod); this model has none")
+    router = next(block.router for block in decoder.blocks if block.router is not None)
+    if not list(router.parameters()):
+        raise UserError(f"--router-warmup needs a router that ranks tokens by a learned score; the "
+                        f"{decoder.config.router} router has none")
+    if router.reads_previous_attention:
+        raise UserError(f"--router-warmup: the {decoder.config.router} router reads the attention of the block before, "
+                        "which the original's pass does not hand on")
+    if world_size > 1:
+        raise UserError("--router-warmup runs in one process; leave it out under torchrun")
+
+
+def _reference_inputs(decoder, reference, tokens: Tensor, layers: list[int], cos: Tensor,
+                      sin: Tensor) -> dict[int, Tensor]:
+    """The reference model's input to each of `layers` (B, T, D), every block dense and whole, without gradient."""
+    inputs = {}
+    with torch.no_grad():
+        x = reference.embed(tokens)  # (B, T, D)
+        for block in reference.blocks[:max(layers) + 1]:
+            if block.layer in layers:
+                inputs[block.layer] = x
+            x = _dense_step(block, x, cos, sin, tokens)
+    return inputs
 
 
 def _dense_step(block, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor) -> Tensor:
@@ -207,15 +241,9 @@ def block_match(model, tokens: Tensor, routing: str | None = None, capacity: flo
     seq_len = tokens.shape[1]
     cos, sin = config_rope(decoder.config, torch.arange(seq_len, device=tokens.device))  # (T, hd/2)
     modified = modified_blocks(decoder)
-    dense_in, dense_out = {}, {}
-    with torch.no_grad():
-        x = reference.embed(tokens)  # (B, T, D)
-        for block in reference.blocks[:max(modified) + 1]:
-            if block.layer in modified:
-                dense_in[block.layer] = x
-            x = _dense_step(block, x, cos, sin, tokens)  # the reference block: every token, all of it
-            if block.layer in modified:
-                dense_out[block.layer] = x
+    dense_in = _reference_inputs(decoder, reference, tokens, modified, cos, sin)
+    with torch.no_grad():  # the reference block: every token, all of it
+        dense_out = {layer: _dense_step(reference.blocks[layer], x, cos, sin, tokens) for layer, x in dense_in.items()}
     records, errors = [], []
     for layer, x_in in dense_in.items():
         block = decoder.blocks[layer]
@@ -229,6 +257,49 @@ def block_match(model, tokens: Tensor, routing: str | None = None, capacity: flo
         errors.append(error / (target.float() - x_in.float()).pow(2).sum().clamp(min=1e-12))
     per_block = torch.stack(errors)  # (modified,)
     return per_block.mean(), ForwardAux(records, decoder.expert_stats()), per_block
+
+
+def oracle_labels(block, x: Tensor, cos: Tensor, sin: Tensor, tokens: Tensor, k: int) -> Tensor:
+    """(B, T) labels, 1 for the k tokens of each sequence whose own update by `block`'s routed part (--route-part),
+    |f(x_t)|^2, is largest on the block's input x (B, T, D): what the routed block would lose most by skipping (the
+    oracle of bench/smollm2_oracle.py). --keep-first positions are always among them; ties go to the lower position,
+    as top-k's."""
+    rule = route_part(block.part)
+    if rule.before:  # only the MLP is routed: its input has had every token's attention update
+        x = x + block.delta(x, cos[None], sin[None], part=rule.before, token_ids=tokens)
+    update = block.delta(x, cos[None], sin[None], part=block.part, token_ids=tokens)  # (B, T, D)
+    positions = torch.arange(x.shape[1], device=x.device)
+    scores = keep_first_scores(update.float().pow(2).sum(-1), positions, block.config.keep_first)  # (B, T)
+    return topk_labels(select_topk(scores, k).selected_idx, x.shape[1])
+
+
+def router_warmup_loss(model, tokens: Tensor, capacity: float | None = None,
+                       reference=None) -> tuple[Tensor, Tensor]:
+    """--router-warmup: each routed block's router (and predictor) trained alone against `oracle_labels` at the
+    capacity in force, on the reference's input to the block (`reference`: the original model, --init-from; else the
+    same weights with routing off). Returns (the mean over routed blocks of the BCE of the router logits, plus the
+    predictor's where there is one; that BCE per routed block). The backward reaches the routers only: the inputs are
+    the reference's, without gradient, and the labels are constants."""
+    decoder = unwrapped(model)
+    reference = decoder if reference is None else unwrapped(reference)
+    seq_len = tokens.shape[1]
+    positions = torch.arange(seq_len, device=tokens.device)
+    cos, sin = config_rope(decoder.config, positions)  # (T, hd/2)
+    routed = [block.layer for block in decoder.blocks if block.router is not None]
+    inputs = _reference_inputs(decoder, reference, tokens, routed, cos, sin)
+    losses = []
+    for layer, x in inputs.items():
+        router = decoder.blocks[layer].router
+        k = router.static_tokens(seq_len, decoder.config.capacity if capacity is None else capacity)
+        with torch.no_grad():
+            labels = oracle_labels(reference.blocks[layer], x, cos, sin, tokens, k)  # (B, T)
+        loss = F.binary_cross_entropy_with_logits(router.logits(x, positions).float(), labels)
+        predictor = router.predictor_logits(x)
+        if predictor is not None:
+            loss = loss + F.binary_cross_entropy_with_logits(predictor.float(), labels)
+        losses.append(loss)
+    per_block = torch.stack(losses)  # (routed,)
+    return per_block.mean(), per_block
 
 
 def distill_loss(logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -248,8 +319,15 @@ def training_loss(model, tokens: Tensor, targets: Tensor, train: TrainConfig, ro
     model (--init-from), frozen. `modcli train` and `modcli profile`'s training step both call this."""
     readers: dict[str, Callable[[], dict]] = {}
     terms: list[LossTerm] = []
+    warmup = step is not None and step <= train.router_warmup
     local = train.objective == "block-match" or (train.objective == "distill" and step is not None
-                                                 and step <= train.local_steps)
+                                                 and step <= train.router_warmup + train.local_steps)
+    if warmup:
+        main, per_block = router_warmup_loss(model, tokens, capacity, teacher)
+        routed = [block.layer for block in unwrapped(model).blocks if block.router is not None]
+        readers["router_warmup"] = lambda: {f"block{layer}": round(value, 5)
+                                            for layer, value in zip(routed, per_block.detach().tolist(), strict=True)}
+        return Objective(main, main, terms, ForwardAux([], {}), readers)
     if local:
         lm, aux, per_block = block_match(model, tokens, routing, capacity, teacher)
         main = lm

@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 from modcli.checkpoint.store import load_model
 from modcli.cli import app
 from modcli.config import TrainConfig
+from modcli.errors import UserError
 from modcli.models.build import build_model
+from modcli.models.decoder import config_rope
 from modcli.training.loop import freeze_for
 from modcli.training.lora import (
     ADAPTERS_FILE,
@@ -25,7 +27,7 @@ from modcli.training.lora import (
     merge_adapters,
     merged_state,
 )
-from modcli.training.objective import distill_loss, training_loss
+from modcli.training.objective import check_objective, distill_loss, oracle_labels, router_warmup_loss, training_loss
 from tests.conftest import tiny_model_config
 
 DISTILL = TrainConfig(objective="distill", init_from="original")
@@ -91,6 +93,75 @@ def test_blockwise_distillation_reaches_only_the_modified_blocks(trained_dense_r
     assert [term.name for term in objective.terms][0] == "distill_loss"
     objective.total.backward()
     assert student.embed.weight.grad is not None
+
+
+def test_oracle_labels_are_the_largest_own_updates(trained_dense_run):
+    """Each sequence's k tokens with the largest |f(x_t)|^2 of the routed part, by hand; --keep-first forced in."""
+    original = load_model(trained_dense_run)
+    tokens = _tokens(seq_len=16)
+    x = original.embed(tokens)  # block 0's input, (B, T, D)
+    cos, sin = config_rope(original.config, torch.arange(16))  # (T, hd/2)
+    for part in ("block", "attention", "mlp"):
+        block = _converted(original, route_every=0, route_layers=(0,), route_part=part, keep_first=1).blocks[0]
+        with torch.no_grad():
+            labels = oracle_labels(block, x, cos, sin, tokens, 5)  # (B, T)
+            mid = x + block.delta(x, cos[None], sin[None], part="attention") if part == "mlp" else x
+            size = block.delta(mid, cos[None], sin[None], part=part).pow(2).sum(-1)  # (B, T)
+        size[:, 0] = float("inf")
+        want = torch.zeros_like(labels).scatter(1, size.topk(5, dim=1).indices, 1.0)
+        torch.testing.assert_close(labels, want, atol=0, rtol=0, msg=part)
+
+
+def test_router_warmup_trains_the_routers_alone_towards_the_oracle(trained_dense_run):
+    original = load_model(trained_dense_run)
+    student = _converted(original, route_every=2, capacity=0.25, predictor_hidden=8)
+    warm = dataclasses.replace(DISTILL, router_warmup=2, local_steps=1)
+    tokens = _tokens()
+    objective = training_loss(student, tokens, tokens.roll(-1, 1), warm, teacher=original, step=1)
+    routed = [block.layer for block in student.blocks if block.router is not None]
+    assert set(objective.readers["router_warmup"]()) == {f"block{layer}" for layer in routed}
+    objective.total.backward()
+    trained = {name for name, param in student.named_parameters() if param.grad is not None}
+    assert trained and all(".router." in name for name in trained), trained
+    assert any(".predictor." in name for name in trained)
+    # the stages in order: warm-up (steps 1-2), local (3), then the KL
+    stages = [set(training_loss(student, tokens, tokens, warm, teacher=original, step=step).readers)
+              | {term.name for term in training_loss(student, tokens, tokens, warm, teacher=original,
+                                                     step=step).terms} for step in (2, 3, 4)]
+    assert "router_warmup" in stages[0] and "block_match" in stages[1] and "distill_loss" in stages[2]
+    # a few steps of it teach the routers the oracle's ranking: their top-k agrees with it more than at the start
+    optimizer = torch.optim.AdamW([param for param in student.parameters() if param.grad is not None], lr=0.1)
+    before = _oracle_overlap(student, original, tokens)
+    first = router_warmup_loss(student, tokens, reference=original)[0].item()
+    for _ in range(60):
+        optimizer.zero_grad()
+        router_warmup_loss(student, tokens, reference=original)[0].backward()
+        optimizer.step()
+    assert router_warmup_loss(student, tokens, reference=original)[0].item() < 0.7 * first
+    assert _oracle_overlap(student, original, tokens) > before + 0.25  # 0.22 -> 0.59 here (chance: 0.25)
+
+
+@pytest.mark.parametrize("router", ["random", "attention"])
+def test_router_warmup_refuses_routers_it_cannot_teach(router):
+    model = build_model(tiny_model_config(route_every=2, router=router))
+    with pytest.raises(UserError, match="--router-warmup"):
+        check_objective(model, TrainConfig(router_warmup=2))
+
+
+def _oracle_overlap(student, original, tokens) -> float:
+    """The share of each routed block's top-k by router logit that the oracle labels choose, mean over blocks."""
+    seq_len = tokens.shape[1]
+    cos, sin = config_rope(original.config, torch.arange(seq_len))
+    shares, x = [], original.embed(tokens)
+    with torch.no_grad():
+        for block, reference in zip(student.blocks, original.blocks, strict=True):
+            if block.router is not None:
+                k = block.router.static_tokens(seq_len, student.config.capacity)
+                labels = oracle_labels(reference, x, cos, sin, tokens, k)  # (B, T)
+                chosen = block.router.logits(x, torch.arange(seq_len)).topk(k, dim=1).indices  # (B, k)
+                shares.append(labels.gather(1, chosen).mean().item())
+            x = x + reference.delta(x, cos[None], sin[None])
+    return sum(shares) / len(shares)
 
 
 def test_adapters_start_at_the_model_and_merge_to_what_they_compute():
@@ -177,6 +248,8 @@ def test_train_distill_with_lora_saves_a_plain_model_and_resumes_as_uninterrupte
     (["--init-from", "RUN", "--trainable", "lora", "--lora-rank", "0"], "--lora-rank must be >= 1"),
     (["--init-from", "RUN", "--objective", "distill", "--distill-weight", "2"], "--distill-weight must be in [0, 1]"),
     (["--init-from", "RUN", "--objective", "distill", "--local-steps", "1"], "needs routed blocks or dropped"),
+    (["--init-from", "RUN", "--router-warmup", "-1"], "--router-warmup must be >= 0"),
+    (["--init-from", "RUN", "--router-warmup", "2"], "--router-warmup trains the routers of routed blocks"),
 ])
 def test_bad_healing_flags_are_one_line_and_write_nothing(trained_dense_run, corpus_file, tmp_path, args, says):
     bad = tmp_path / "bad"
