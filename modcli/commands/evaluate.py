@@ -17,7 +17,7 @@ from modcli.commands.config_flags import ConfigFlag, config_flags, source_flags
 from modcli.errors import UserError
 from modcli.reports.console import print_json
 
-PERPLEXITY_ONLY = {"data": "--data", "glob": "--glob", "batches": "--batches"}
+PERPLEXITY_ONLY = {"data": "--data", "glob": "--glob", "batches": "--batches", "against": "--against"}
 """Flags of the perplexity evaluation that mean nothing to lm-eval's tasks."""
 TASKS_ONLY = {"include_path": "--include-path", "num_fewshot": "--num-fewshot", "limit": "--limit"}
 """Flags of --tasks that mean nothing to the perplexity evaluation."""
@@ -62,6 +62,32 @@ def eval_command(
         stdout.print(_agreement_table(result))
     if result.exit_losses:
         stdout.print(_exit_table(result))
+    if result.breakdown is not None:
+        _print_breakdown(result.breakdown)
+
+
+def _print_breakdown(b) -> None:
+    """--against: where the loss difference goes, by kind of token, by position, and the worst tokens."""
+    extra = b.loss - b.against_loss
+    stdout.print(f"against {b.against}: loss {b.loss:.4f} ({b.routing}) vs {b.against_loss:.4f}, extra {extra:+.4f} "
+                 f"nats/token ({100 * extra / b.against_loss:+.1f}%) over {b.tokens:,} tokens; the worst 1% of tokens "
+                 f"carry {100 * b.top_shares['1%']:.0f}% of it, the worst 10% {100 * b.top_shares['10%']:.0f}%; "
+                 f"{100 * b.improved:.0f}% of tokens got better", highlight=False, soft_wrap=True)
+    for title, groups in (("by kind of target token", b.kinds), ("by position in the window", b.positions)):
+        table = Table(title=f"extra loss {title}")
+        for column in ("group", "tokens", "loss", "against", "extra/token", "share of extra"):
+            table.add_column(column, justify="left" if column == "group" else "right")
+        for name, g in groups.items():
+            if g.tokens:
+                table.add_row(name, f"{100 * g.tokens:.1f}%", f"{g.loss:.3f}", f"{g.against_loss:.3f}",
+                              f"{g.loss - g.against_loss:+.3f}", f"{100 * g.extra:.1f}%")
+        stdout.print(table)
+    table = Table(title="the target tokens with the most extra loss")
+    for column in ("token", "count", "extra/token", "share of extra"):
+        table.add_column(column, justify="left" if column == "token" else "right")
+    for t in b.worst:
+        table.add_row(t.text, str(t.count), f"{t.delta:+.3f}", f"{100 * t.extra:.1f}%")
+    stdout.print(table)
 
 
 def _exit_table(result):

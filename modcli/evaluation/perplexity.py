@@ -19,6 +19,7 @@ from modcli.checkpoint.store import load_model_from
 from modcli.config import DataConfig, require
 from modcli.data.corpus import evaluation_batches, load_corpus
 from modcli.data.tokenizer import load_tokenizer
+from modcli.evaluation.breakdown import LossBreakdown, breakdown, check_comparable, per_token_losses
 from modcli.hardware import autocast, resolve_device
 from modcli.models.decoder import MoDDecoder
 from modcli.packed_linear import inference_linears
@@ -49,6 +50,10 @@ class EvalConfig:
     packed_linears: bool | None = None
     """On the CPU in float32: nn.Linear through oneDNN's prepacked kernel (`modcli.packed_linear`); False = PyTorch's
     default BLAS; None = the CPU's default (`packed_linear.packed_by_default`: AMD)."""
+    against: str | None = None
+    """Also score the same windows with this model (the original a conversion came from: a run folder or checkpoint)
+    and break the loss difference down by token: by kind of token, by position in the window, the worst tokens, and
+    the share of the extra loss the worst 1% and 10% of tokens carry (modcli.evaluation.breakdown)."""
 
     def __post_init__(self) -> None:
         require(self.batches >= 1, f"--batches must be >= 1, got {self.batches}")
@@ -86,6 +91,8 @@ class EvalResult:
     final norm and head (causal; the last block's is the model's loss)."""
     linear_kernel: str = "aten"
     """What nn.Linear ran with: onednn-packed (CPU float32, `modcli.packed_linear`) or aten (PyTorch's default)."""
+    breakdown: LossBreakdown | None = None
+    """With --against: where the loss difference to that model goes, token by token."""
 
 
 @torch.no_grad()
@@ -95,17 +102,43 @@ def evaluate(config: EvalConfig) -> EvalResult:
     seq_len = run_config.model.seq_len
     data = run_config.data if config.data is None else DataConfig(data=config.data, glob=config.glob,
                                                                   tokenizer=run_config.data.tokenizer)
-    corpus = load_corpus(data, seq_len, load_tokenizer(data.tokenizer, checkpoint.parent,
-                                                         model.config.vocab_size))
+    tokenizer = load_tokenizer(data.tokenizer, checkpoint.parent, model.config.vocab_size)
+    corpus = load_corpus(data, seq_len, tokenizer)
     for mode in config.routing:
         model.check_routing(mode)
     if run_config.model.dense:
         modes = ["dense"]
     else:
         modes = list(config.routing) or list(model.routing_modes())
+    original = None
+    if config.against is not None:
+        original, original_config, _ = load_model_from(config.against, device)
+        check_comparable(model, original, run_config.data.tokenizer, original_config.data.tokenizer, config.against)
     with inference_linears(model, device, config.dtype, config.packed_linears) as linears:
         result = _evaluate(config, model, run_config, checkpoint, corpus, modes, device)
+        if original is not None:
+            with inference_linears(original, device, config.dtype, config.packed_linears):
+                result.breakdown = _breakdown(config, model, original, corpus, seq_len, tokenizer, device)
     return dataclasses.replace(result, linear_kernel=linears.kernel)
+
+
+def _first_causal(model: MoDDecoder) -> str:
+    return "dense" if model.config.dense else model.causal_modes()[0]
+
+
+def _breakdown(config: EvalConfig, model: MoDDecoder, original: MoDDecoder, corpus, seq_len: int, tokenizer,
+               device: torch.device) -> LossBreakdown:
+    """--against: per-token losses of both models on `evaluate`'s windows, broken down (`breakdown`)."""
+    routing, original_routing = _first_causal(model), _first_causal(original)
+    losses, against_losses, all_targets = [], [], []
+    for inputs, targets in evaluation_batches(corpus.val, seq_len, config.batch_size, config.batches):
+        inputs, targets = inputs.to(device), targets.to(device)
+        with autocast(device, config.dtype):
+            losses.append(per_token_losses(model, inputs, targets, routing).cpu())  # (B, T)
+            against_losses.append(per_token_losses(original, inputs, targets, original_routing).cpu())
+        all_targets.append(targets.cpu())
+    return breakdown(torch.cat(losses), torch.cat(against_losses), torch.cat(all_targets),
+                     lambda token: tokenizer.decode([token]), config.against, routing)
 
 
 def _evaluate(config: EvalConfig, model: MoDDecoder, run_config, checkpoint: Path, corpus, modes: list[str],
