@@ -511,6 +511,9 @@ def check_file(path: Path, model: MoDDecoder, architecture: str, dtype: str,
                                 "by the reference of llama.cpp's deci graph only")
         elif importlib.util.find_spec("transformers") is None:
             result.notes.append("transformers is not installed: the file was not loaded with its GGUF loader")
+        elif importlib.util.find_spec("accelerate") is None:  # from_pretrained(gguf_file=...) insists on it
+            result.notes.append("transformers' GGUF loader needs accelerate (pip install accelerate), which is not "
+                                "installed: the file was not loaded with it")
         else:
             hf, notes = _transformers_model(path, model.config)
             result.notes += notes
