@@ -115,7 +115,16 @@ if [ ! -s "$RAW/dense.generate.json" ]; then
   measure_quality "$DENSE" "$RAW/dense"
 fi
 
-printf '%s\n' "$RECIPES" > "$RAW/recipes.txt"
+# recipes.txt lists every recipe measured into $RESULTS (the report reads it): a run with other recipes adds its lines
+# (replacing those of the same name) and keeps the earlier ones
+"$PY" - "$RAW/recipes.txt" "$RECIPES" <<'EOF'
+import sys
+from pathlib import Path
+path, new = Path(sys.argv[1]), [line for line in sys.argv[2].splitlines() if line.strip()]
+names = {line.split("|")[0] for line in new}
+old = path.read_text().splitlines() if path.exists() else []
+path.write_text("\n".join([line for line in old if line.split("|")[0] not in names] + new) + "\n")
+EOF
 while IFS='|' read -r name modes flags; do
   [ -n "$name" ] || continue
   run=$WORK/$name
