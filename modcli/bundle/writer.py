@@ -227,6 +227,9 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started
         raise UserError(f"--arch {family.name} cannot be exported: {family.export_note}")
     if family.export_note:
         log(f"note: --arch {family.name}: {family.export_note}")
+    if model.config.eager_only_options:
+        raise UserError(f"the ONNX export does not support {', '.join(model.config.eager_only_options)} yet (Gemma 3's "
+                        "traits); the run works with eval and generate")
     config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
     model.check_routing(config.routing, causal=True)
     if model.capabilities is not None:

@@ -20,8 +20,8 @@ def import_command(
     json_output: options.Json = False,
     flags: dict[str, Any] | None = None,
 ) -> None:
-    """Import a pretrained Hugging Face decoder (Llama, Mistral, Qwen2 or Qwen3; safetensors) as a dense modcli run
-    (weights, config, tokenizer)."""
+    """Import a pretrained Hugging Face decoder (Llama, Mistral, Qwen2, Qwen3 or Gemma 3; safetensors) as a dense
+    modcli run (weights, config, tokenizer)."""
     result = modcli.import_model(modcli.ImportConfig(source, out, **flags),
                                  log=lambda message: stderr.print(message, highlight=False, soft_wrap=True))
     if json_output:

@@ -17,9 +17,13 @@ from modcli.config.routing import RoutingLayout
 from modcli.config.validation import declared_field_types, require
 from modcli.config.variant_options import MEMBERS, flatten, split_flat, variant_field_types
 
+MLP_ACTIVATIONS = ("silu", "gelu-tanh")
+"""--mlp-activation: the gated MLP's activation (SwiGLU, GeGLU with the tanh-approximated GELU)."""
+
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_size", "mlp_hidden", "qkv_bias",
                 "qk_norm", "norm_eps", "rope_base", "rope_scaling", "tie_embeddings", "experts", "noop_experts",
-                "expert_routing", "hash_table")
+                "expert_routing", "hash_table", "sandwich_norm", "mlp_activation", "scale_embeddings", "sliding_window",
+                "sliding_layers", "local_rope_base")
 """ModelConfig fields a run started --init-from another must share with it (routing fields may differ)."""
 
 
@@ -44,6 +48,20 @@ class ModelConfig(RoutingLayout):
     qk_norm: bool = False
     """An RMSNorm over each query and each key head (its own weight of the head size, shared by the heads), after
     the projection and before RoPE (Qwen3)."""
+    sandwich_norm: bool = False
+    """An RMSNorm after each sublayer too, on its output before the residual add (Gemma 3's post_attention_layernorm
+    and post_feedforward_layernorm); in a routed block it is part of the block's delta f(x)."""
+    mlp_activation: str = "silu"
+    """The gated MLP's activation: silu (SwiGLU) or gelu-tanh (GeGLU with the tanh-approximated GELU: Gemma 3)."""
+    scale_embeddings: bool = False
+    """The token embedding is multiplied by sqrt(d_model), rounded to the embedding's dtype (Gemma 3)."""
+    sliding_window: int = 0
+    """Local attention on --sliding-layers: a query attends to keys at distance < this many positions (original
+    positions, in routed blocks too); 0 = none. The KV cache of a local layer is still full-size."""
+    sliding_layers: list[int] | None = None
+    """Blocks with local (--sliding-window) attention; None = every block when --sliding-window is set."""
+    local_rope_base: float = 0.0
+    """RoPE base of the --sliding-layers (Gemma 3's rope_local_base_freq); 0 = --rope-base."""
     norm_eps: float | None = None
     """Epsilon of the RMSNorms; None = the dtype's machine epsilon (PyTorch's default)."""
     rope_scaling: dict[str, Any] | None = None
@@ -149,7 +167,16 @@ class ModelConfig(RoutingLayout):
         require(self.rope_scaling is None or self.rope_scaling.get("rope_type") == "llama3",
                 f"rope_scaling must be of rope_type llama3, got {self.rope_scaling!r}")
         require(self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}")
+        require(self.mlp_activation in MLP_ACTIVATIONS,
+                f"--mlp-activation must be one of {', '.join(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}")
+        require(self.sliding_window >= 0, f"--sliding-window must be >= 0, got {self.sliding_window}")
+        require(self.sliding_layers is None or all(0 <= layer < self.n_layers for layer in self.sliding_layers),
+                f"--sliding-layers must name blocks 0..{self.n_layers - 1}, got {self.sliding_layers}")
+        require(self.local_rope_base == 0 or self.local_rope_base > 1,
+                f"--local-rope-base must be > 1 (or 0: --rope-base), got {self.local_rope_base}")
         self._check_arch()
+        require(not self.eager_only_options or self.family.gemma_traits,
+                f"{', '.join(self.eager_only_options)}: supported by --arch mod only so far, not {self.arch}")
         self._check_routing()
         self.family.validate(self)
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
@@ -172,6 +199,24 @@ class ModelConfig(RoutingLayout):
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in MEMBERS}
         values = {name: copy.deepcopy(value) for name, value in values.items()}
         return {**values, **flatten(self.family_options), **flatten(self.router_options)}
+
+    def is_sliding(self, layer: int) -> bool:
+        """Block `layer`'s attention is local (--sliding-window, --sliding-layers)."""
+        return self.sliding_window > 0 and (self.sliding_layers is None or layer in self.sliding_layers)
+
+    def rope_base_at(self, layer: int) -> float:
+        """The RoPE base of block `layer`: --local-rope-base on a local layer where it is set, else --rope-base."""
+        return self.local_rope_base if self.local_rope_base and self.is_sliding(layer) else self.rope_base
+
+    @property
+    def eager_only_options(self) -> list[str]:
+        """This model's Gemma 3 options, as flags, that only the eager decoder (forward, prefill, cached decode) and
+        export --hf honour so far: the ONNX export, static decoding and the other families refuse a model that sets
+        any, naming them."""
+        options = [("sandwich_norm", "--sandwich-norm"), ("scale_embeddings", "--scale-embeddings"),
+                   ("sliding_window", "--sliding-window"), ("local_rope_base", "--local-rope-base")]
+        named = [flag for name, flag in options if getattr(self, name)]
+        return named + ([f"--mlp-activation {self.mlp_activation}"] if self.mlp_activation != "silu" else [])
 
     @property
     def head_dim(self) -> int:

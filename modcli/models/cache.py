@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from modcli.errors import UserError
+
 
 def store_token(keys: Tensor, values: Tensor, rows: Tensor, slots: Tensor, new_keys: Tensor,
                 new_values: Tensor) -> None:
@@ -49,8 +51,12 @@ class LayerKVCache:
     """K/V of one layer for a batch: (B, H, slots, head_dim) buffers and per-sequence lengths (B,)."""
 
     def __init__(self, batch: int, n_heads: int, head_dim: int, slots: int, max_slots: int,
-                 device: torch.device, dtype: torch.dtype, static: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, static: bool = False, window: int = 0) -> None:
         self.max_slots = max_slots
+        # --sliding-window: a local layer keeps each slot's original position (B, S), so that decode attends only
+        # to keys at distance < window (a routed layer's slots are not its positions); the buffers stay full-size
+        self.window = window
+        self.slot_positions = torch.zeros(batch, slots, dtype=torch.long, device=device) if window else None
         self.static = static  # never grows: buffers keep their address (compiled steps, CUDA graphs)
         self.keys = torch.zeros(batch, n_heads, slots, head_dim, device=device, dtype=dtype)
         self.values = torch.zeros_like(self.keys)
@@ -72,11 +78,18 @@ class LayerKVCache:
         pad = self.keys.new_zeros(*self.keys.shape[:2], grow, self.keys.shape[3])
         self.keys = torch.cat([self.keys, pad], dim=2)
         self.values = torch.cat([self.values, pad], dim=2)
+        if self.slot_positions is not None:
+            more = self.slot_positions.new_zeros(self.slot_positions.shape[0], grow)  # (B, grow)
+            self.slot_positions = torch.cat([self.slot_positions, more], dim=1)
 
-    def write_prefix(self, rows: Tensor, keys: Tensor, values: Tensor, counts: Tensor) -> None:
-        """Prefill: keys/values (n, H, k, hd) go to slots 0..k-1 of `rows`; only `counts` of them are real."""
+    def write_prefix(self, rows: Tensor, keys: Tensor, values: Tensor, counts: Tensor,
+                     positions: Tensor | None = None) -> None:
+        """Prefill: keys/values (n, H, k, hd) go to slots 0..k-1 of `rows`; only `counts` of them are real.
+        `positions` (n, k) or (k,): their original positions, which a local layer keeps (None: 0..k-1)."""
         k = keys.shape[2]
         self._ensure_slots(k)
+        if self.slot_positions is not None:
+            self.slot_positions[rows, :k] = (torch.arange(k, device=keys.device) if positions is None else positions)
         self.keys[rows, :, :k] = keys.to(self.keys.dtype)
         self.values[rows, :, :k] = values.to(self.values.dtype)
         self.lengths[rows] = counts
@@ -84,13 +97,25 @@ class LayerKVCache:
         if not torch.compiler.is_compiling():  # compiled, k is a symbolic size; static decoding reads lengths only
             self.max_length = max(self.max_length, k)
 
-    def append(self, rows: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def append(self, rows: Tensor, keys: Tensor, values: Tensor,
+               positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Decode: write one token per row (keys (n, H, 1, hd)) at its sequence's next slot.
 
         Returns the keys and values to attend to, (n, H, L, hd), and a boolean mask (n, 1, 1, L) that always
         includes the slot just written, so no attention row is ever fully masked; None when every row appends and
-        every row's slots are all real (`full`): nothing to mask.
+        every row's slots are all real (`full`): nothing to mask. A local layer (`window`) needs the tokens'
+        positions (n,) and masks the slots at distance >= window from them.
         """
+        if self.window:
+            keys, values, mask = self._append(rows, keys, values, positions)
+            span = keys.shape[2]
+            stored = self.slot_positions[rows, :span]  # (n, L)
+            near = stored > (positions[:, None] - self.window)  # (n, L) distance < window
+            return keys, values, near[:, None, None, :] if mask is None else mask & near[:, None, None, :]
+        return self._append(rows, keys, values)
+
+    def _append(self, rows: Tensor, keys: Tensor, values: Tensor,
+                positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         self._ensure_slots(self.max_length + 1)
         every_row = rows.shape[0] == self.keys.shape[0]
         if every_row and not torch.compiler.is_compiling():
@@ -103,6 +128,8 @@ class LayerKVCache:
                 span = self.max_length + 1
                 self.keys[:, :, span - 1:span] = keys.to(self.keys.dtype)
                 self.values[:, :, span - 1:span] = values.to(self.values.dtype)
+                if self.slot_positions is not None:
+                    self.slot_positions[:, span - 1] = positions
                 self.lengths += 1
                 self.max_length = span
                 return self.keys[:, :, :span], self.values[:, :, :span], None
@@ -110,6 +137,8 @@ class LayerKVCache:
             self.full = False
         slot = self.lengths[rows]  # (n,)
         store_token(self.keys, self.values, rows, slot, keys, values)
+        if self.slot_positions is not None:
+            self.slot_positions[rows, slot] = positions
         self.lengths[rows] = slot + 1
         self.max_length += 1
         span = self.max_length
@@ -180,6 +209,9 @@ class DecoderCache:
         up front; routed layers start at the top-k share and grow, unless `static` (every layer preallocated for
         max_tokens, gpt-fast style: fixed shapes and addresses for a compiled decode step, at the price of the memory
         a routed layer would save)."""
+        if static and config.eager_only_options:
+            raise UserError(f"static decoding (--compile) does not support {', '.join(config.eager_only_options)} yet; "
+                            "decode without --compile")
         layers = []
         for layer in range(config.n_layers):
             if config.attention_dropped(layer):  # --drop: no attention, no cache (an empty one keeps the indices)
@@ -189,8 +221,9 @@ class DecoderCache:
                 slots = min(max_tokens, max(16, 2 * config.capacity_tokens(max_tokens)))
             else:
                 slots = max_tokens
+            window = config.sliding_window if config.is_sliding(layer) else 0
             layers.append(LayerKVCache(batch, config.kv_heads, config.head_dim, slots, max_tokens, device, dtype,
-                                       static))
+                                       static, window))
         return cls(layers, torch.zeros(batch, dtype=torch.long, device=device), max_tokens)
 
     def truncate(self, lengths: Tensor) -> None:

@@ -143,9 +143,18 @@ class HeadNorm(nn.Module):
         return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps) * self.weight.float()).to(x.dtype)
 
 
+def window_mask(query_positions: Tensor, key_positions: Tensor, window: int) -> Tensor:
+    """Local causal attention (--sliding-window): query_positions (..., n), key_positions (..., L) -> (..., n, L),
+    True where the key is at or before the query and at distance < window (transformers' sliding-window mask:
+    key > query - window)."""
+    distance = query_positions[..., :, None] - key_positions[..., None, :]  # (..., n, L)
+    return (distance >= 0) & (distance < window)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int = 0) -> None:
         super().__init__()
+        self.window = window  # --sliding-window on this layer: keys at distance < window only; 0 = every earlier key
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
         self.sizes = [config.n_heads * config.head_dim] + 2 * [config.kv_heads * config.head_dim]  # q, k, v
         self.qkv = nn.Linear(config.d_model, sum(self.sizes), bias=config.qkv_bias)
@@ -195,13 +204,21 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         return apply_rope(q, cos, sin).transpose(1, 2)
 
+    def local_mask(self, positions: Tensor, n: int) -> Tensor:
+        """The attention mask of n tokens in ascending order at `positions` (B, n) or (n,) on a local layer: causal by
+        slot (a routed block's padding slots come after its selected tokens, at unselected positions, and must stay
+        unseen) and within the window by original position -> (B, 1, n, n) or (n, n)."""
+        causal = torch.ones(n, n, dtype=torch.bool, device=positions.device).tril()  # (n, n) slot >= key slot
+        local = window_mask(positions, positions, self.window) & causal  # (B, n, n) or (n, n)
+        return local[:, None] if local.dim() == 3 else local
+
     def share_kv(self, kv: Tensor) -> Tensor:
         """(B, Hkv, L, hd) -> (B, H, L, hd): each key/value head serves n_heads / n_kv_heads query heads."""
         return kv if self.n_kv_heads == self.n_heads else kv.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 prefill: tuple[LayerKVCache, Tensor, Tensor] | None = None, received: dict | None = None,
-                context: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                context: tuple[Tensor, Tensor, Tensor] | None = None, positions: Tensor | None = None) -> Tensor:
         """Causal attention among the n given tokens (B, n, D), which are in ascending original order.
 
         With `prefill = (cache, rows, counts)` their K/V are also written to the cache. With a `received` dict, the
@@ -209,42 +226,54 @@ class Attention(nn.Module):
         attention each token receives (B, n), position-neutral (A-MoD's score; no gradient; `received_attention`).
         With `context = (keys, values, positions)` (--keep-skipped-kv: keys/values (B, Hkv, T, hd) of every token,
         positions (B, n) the original positions of x's tokens), x's tokens are queries only and attend to every key
-        at or before their own position.
+        at or before their own position. `positions` (B, n): the original positions of x's tokens (None: 0..n-1),
+        which a local layer's window is measured in.
         """
         batch, n, d_model = x.shape
         dropout = self.dropout if self.training else 0.0
+        if self.window and positions is None and context is None:
+            positions = torch.arange(n, device=x.device)  # (n,)
         if context is not None:
             keys, values, positions = context
             q = self.queries(x, cos, sin)  # (B, H, n, hd)
             key_positions = torch.arange(keys.shape[2], device=x.device)  # (T,)
             visible = key_positions[None, None, :] <= positions[:, :, None]  # (B, n, T) key <= query position
+            if self.window:
+                visible = window_mask(positions, key_positions.expand(batch, -1), self.window)  # (B, n, T)
             out = F.scaled_dot_product_attention(q, self.share_kv(keys), self.share_kv(values),
                                                  attn_mask=visible[:, None], dropout_p=dropout)  # (B, H, n, hd)
             return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
         q, k, v = self._heads(x, cos, sin)
         if prefill is not None:
             cache, rows, counts = prefill
-            cache.write_prefix(rows, k, v, counts)
+            cache.write_prefix(rows, k, v, counts, positions)
         k, v = self.share_kv(k), self.share_kv(v)  # (B, H, n, hd); the cache above holds the Hkv heads only
-        if received is None:
+        if received is None and self.window:
+            local = self.local_mask(positions, n)  # (B, 1, n, n) or (n, n)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=local, dropout_p=dropout)  # (B, H, n, hd)
+        elif received is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, n, hd)
         else:
             scores = q.float() @ k.float().transpose(-1, -2) / math.sqrt(self.head_dim)  # (B, H, n, n)
             causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()  # (n, n) query >= key
+            if self.window:
+                causal = self.local_mask(positions, n)  # (B, 1, n, n) or (n, n)
             probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, H, n, n)
             received["scores"] = received_attention(probs.detach(), self.attention_score, self.training)  # (B, n)
             out = F.dropout(probs, dropout, self.training).to(v.dtype) @ v  # (B, H, n, hd)
         return self.proj(out.transpose(1, 2).reshape(batch, n, self.sizes[0]))
 
     def decode(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor,
-               context: tuple[Tensor, Tensor, Tensor | None] | None = None) -> Tensor:
+               context: tuple[Tensor, Tensor, Tensor | None] | None = None,
+               positions: Tensor | None = None) -> Tensor:
         """One new token per row (n, 1, D): append its K/V to the cache rows, attend to the row's cache. With
         `context = (keys, values, mask)` (--keep-skipped-kv: the rows' cache, this step's K/V already appended, as
-        `LayerKVCache.append` returns it), only the query is computed and nothing is written."""
+        `LayerKVCache.append` returns it), only the query is computed and nothing is written. `positions` (n,):
+        the tokens' positions, which a local layer's cache needs (`LayerKVCache.append`)."""
         n = x.shape[0]
         if context is None:
             q, k, v = self._heads(x, cos, sin)
-            keys, values, mask = cache.append(rows, k, v)  # (n, Hkv, L, hd), (n, 1, 1, L)
+            keys, values, mask = cache.append(rows, k, v, positions)  # (n, Hkv, L, hd), (n, 1, 1, L)
         else:
             q = self.queries(x, cos, sin)  # (n, H, 1, hd)
             keys, values, mask = context
@@ -254,15 +283,20 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or, with --mlp-activation gelu-tanh, the
+    tanh-approximated GELU (GeGLU: Gemma 3's gelu_pytorch_tanh)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up = nn.Linear(config.d_model, 2 * config.hidden, bias=False)
         self.down = nn.Linear(config.hidden, config.d_model, bias=False)
+        self.gelu = config.mlp_activation == "gelu-tanh"
 
     def forward(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """x (..., D) -> (..., D); `token_ids` is the MoE MLP's argument (hash routing), unused here."""
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(activated * up)
 
 
 def dropped_weight(config: ModelConfig, name: str) -> bool:
@@ -272,8 +306,8 @@ def dropped_weight(config: ModelConfig, name: str) -> bool:
     if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
         return False
     layer, module = int(parts[1]), parts[2]
-    return ((module in ("attn", "attn_norm") and config.attention_dropped(layer))
-            or (module in ("mlp", "mlp_norm") and config.mlp_dropped(layer)))
+    return ((module in ("attn", "attn_norm", "attn_post_norm") and config.attention_dropped(layer))
+            or (module in ("mlp", "mlp_norm", "mlp_post_norm") and config.mlp_dropped(layer)))
 
 
 class LowRankSkip(nn.Module):
@@ -300,8 +334,16 @@ class Block(nn.Module):
         self.kept = config.kept_part(layer)
         has_attention, has_mlp = self.kept in ("block", "attention"), self.kept in ("block", "mlp")
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if has_attention else None
-        self.attn = Attention(config) if has_attention else None
+        window = config.sliding_window if config.is_sliding(layer) else 0
+        self.attn = Attention(config, window) if has_attention else None
         self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if has_mlp else None
+        # --sandwich-norm (Gemma 3): each sublayer's output is RMS-normalised too, before the residual add
+        sandwich = config.sandwich_norm
+        self.attn_post_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if sandwich and has_attention else None
+        self.mlp_post_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if sandwich and has_mlp else None
+        # --local-rope-base: a local layer's own RoPE base (the model hands every block the global tables)
+        base = config.rope_base_at(layer)
+        self.own_rope_base = base if base != config.rope_base else None
         self.mlp = None
         if has_mlp:
             self.mlp = (MoEMLP(config.d_model, config.hidden, config.experts, config.expert_top_k,
@@ -322,19 +364,37 @@ class Block(nn.Module):
                              and ROUTER_KINDS[config.router].reads_previous_attention)
         self.next_causal_modes = router_class(config.router).capabilities.causal_modes if self.feeds_router else ()
 
+    def mlp_update(self, x: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """The MLP sublayer's update of x (..., D): norm, MLP and, with --sandwich-norm, the norm after it."""
+        update = self.mlp(self.mlp_norm(x), token_ids)
+        return update if self.mlp_post_norm is None else self.mlp_post_norm(update)
+
+    def attn_output(self, update: Tensor) -> Tensor:
+        """The attention sublayer's output as the residual receives it (--sandwich-norm: normalised)."""
+        return update if self.attn_post_norm is None else self.attn_post_norm(update)
+
+    def own_rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """This local layer's RoPE tables at `positions` (--local-rope-base; no frequency scaling: Gemma 3 scales
+        only its global layers)."""
+        return rope_tables(positions, self.config.head_dim, self.own_rope_base)
+
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, prefill=None, received: dict | None = None,
-              part: str = "block", token_ids: Tensor | None = None, context=None) -> Tensor:
+              part: str = "block", token_ids: Tensor | None = None, context=None,
+              positions: Tensor | None = None) -> Tensor:
         """f(x) of a pre-norm block without the residual: the attention update plus the MLP update (part "block"),
         or only the attention update ("attention") or only the MLP update ("mlp"), as `route_part` names them.
         `token_ids` (B, n): the ids of x's tokens, which a hash-routed MoE MLP reads. `context`: every token's K/V
-        and x's positions (--keep-skipped-kv; `Attention.forward`)."""
+        and x's positions (--keep-skipped-kv; `Attention.forward`). `positions` (B, n): x's original positions
+        (a local layer's window; None: 0..n-1). With --sandwich-norm each update is normalised before it is
+        added, so the routed block's x + w * f(x) holds with the post-norms inside f."""
         sublayers = route_part(part)
         if not sublayers.attention:
-            return self.delta_dropout(self.mlp(self.mlp_norm(x), token_ids))
-        attn_update = self.delta_dropout(self.attn(self.attn_norm(x), cos, sin, prefill, received, context))
+            return self.delta_dropout(self.mlp_update(x, token_ids))
+        attn_update = self.delta_dropout(self.attn_output(
+            self.attn(self.attn_norm(x), cos, sin, prefill, received, context, positions)))
         if not sublayers.mlp:
             return attn_update
-        mlp_update = self.delta_dropout(self.mlp(self.mlp_norm(x + attn_update), token_ids))
+        mlp_update = self.delta_dropout(self.mlp_update(x + attn_update, token_ids))
         return attn_update + mlp_update
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, routing: str, want_predictor: bool = False,
@@ -353,6 +413,8 @@ class Block(nn.Module):
         reads them; a routed block hands its MLP those of the tokens it selected).
         """
         batch, seq_len, _ = x.shape
+        if self.own_rope_base is not None:  # a local layer's own RoPE base: its tables at 0..T-1
+            cos, sin = self.own_rope(torch.arange(seq_len, device=x.device))  # (T, hd/2)
         every_token = None  # a prefill that caches every (real) token
         if cache is not None:
             counts = lengths if lengths is not None else torch.full((batch,), seq_len, device=x.device,
@@ -418,7 +480,7 @@ class Block(nn.Module):
             keys, values = self.attn.keys_values(self.attn_norm(x), cos[None], sin[None])  # (B, Hkv, T, hd) each
             if every_token is not None:
                 layer_cache, rows, counts = every_token
-                layer_cache.write_prefix(rows, keys, values, counts)
+                layer_cache.write_prefix(rows, keys, values, counts)  # slot = position
             context = (keys, values, idx)
             cache = None  # stored above, every token
         if guard_or_false(idx.shape[1] == 0):  # compiled with k unknown: the general path handles k = 0 too
@@ -429,7 +491,7 @@ class Block(nn.Module):
         prefill = (cache, cache_rows, selection.counts) if cache is not None else None
         selected_ids = token_ids.gather(1, idx) if token_ids is not None and self.mlp_reads_ids else None  # (B, k)
         delta = self.delta(x_selected, cos[idx], sin[idx], prefill, part=self.part,
-                           token_ids=selected_ids, context=context)  # (B, k, D)
+                           token_ids=selected_ids, context=context, positions=idx)  # (B, k, D)
         weight = self.router.weight(router_logits.gather(1, idx)).unsqueeze(-1)  # (B, k, 1)
         keep = None if selection.valid is None else selection.valid.unsqueeze(-1)  # (B, k, 1)
         return scatter_tokens(x, idx, residual_update(x_selected, delta, weight, keep))
@@ -440,12 +502,14 @@ class Block(nn.Module):
         MLP). A skipped token does no attention/MLP work. `rope`: the RoPE tables (cos, sin) (B, 1, hd/2) of
         `positions`, made once per step by the caller (`decode_rope`) and shared by every block; None: made here."""
         batch = x.shape[0]
+        if self.own_rope_base is not None:  # a local layer's own RoPE base
+            rope = self.own_rope(positions[:, None])  # (B, 1, hd/2) each
         if not self.routed:
             if self.kept is None:  # --drop: the identity
                 return x
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
-            return x + self._decode_delta(x, cos, sin, cache, rows, self.kept, token_ids)
+            return x + self._decode_delta(x, cos, sin, cache, rows, self.kept, token_ids, **self._local(positions))
         router, rule = self.router, route_part(self.part)
         part = rule.name
         router_logits = router.logits(x, positions[:, None])  # (B, 1)
@@ -454,14 +518,15 @@ class Block(nn.Module):
         if rule.before:  # every row attends and is cached; only the MLP is routed
             rows = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)
-            x = x + self._decode_delta(x, cos, sin, cache, rows, rule.before)  # no MLP: no ids
+            x = x + self._decode_delta(x, cos, sin, cache, rows, rule.before, **self._local(positions))  # no ids
         context = None
         x_in = x  # what the skip forecast reads (--skip-update linear)
         if rule.attention and self.config.keep_skipped_kv:  # every row stores its K/V; only processed rows attend
             every_row = torch.arange(batch, device=x.device)
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)  # (B, 1, hd/2)
             new_keys, new_values = self.attn.keys_values(self.attn_norm(x), cos, sin)  # (B, Hkv, 1, hd)
-            context = cache.append(every_row, new_keys, new_values)  # (B, Hkv, L, hd) x2, mask (B, 1, 1, L) | None
+            # (B, Hkv, L, hd) x2, mask (B, 1, 1, L) | None
+            context = cache.append(every_row, new_keys, new_values, positions)
         # `nonzero` is a host sync, one per routed block per step: it is what lets a skipped token skip the
         # attention and MLP work in eager PyTorch (a later issue replaces it with torch.cond / CUDA graphs).
         rows = decisions[:, 0].nonzero().squeeze(1)  # (n,) processed rows
@@ -472,7 +537,8 @@ class Block(nn.Module):
             cos, sin = rope if rope is not None else decode_rope(self.config, positions)  # (B, 1, hd/2)
             weight = router.weight(router_logits).unsqueeze(-1)  # (B, 1, 1)
             ids = token_ids if self.mlp_reads_ids else None  # (B, 1)
-            x = residual_update(x, self._decode_delta(x, cos, sin, cache, rows, part, ids, context), weight)
+            delta = self._decode_delta(x, cos, sin, cache, rows, part, ids, context, **self._local(positions))
+            x = residual_update(x, delta, weight)
         elif processed:
             x_rows = x[rows]  # (n, 1, D)
             if rope is None:
@@ -484,25 +550,41 @@ class Block(nn.Module):
             if context is not None:  # the processed rows' caches
                 keys, values, mask = context
                 context = (keys[rows], values[rows], mask[rows] if mask is not None else None)
-            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids, context)  # (n, 1, D)
+            delta = self._decode_delta(x_rows, cos, sin, cache, rows, part, row_ids, context,
+                                       **self._local(positions[rows]))  # (n, 1, D)
             x = x.index_put((rows,), residual_update(x_rows, delta, weight))
         if self.skip is not None:
             x = x + self.skip(x_in, decisions)  # decisions (B, 1): the skipped rows' forecast
         if rule.after:  # only attention was routed; the MLP runs on every row
-            x = x + self.mlp(self.mlp_norm(x), token_ids)
+            x = x + self.mlp_update(x, token_ids)
         return x
 
+    def _local(self, positions: Tensor) -> dict[str, Tensor]:
+        """`_decode_delta`'s positions argument where a local layer's cache needs the rows' positions, else none."""
+        return {"positions": positions} if self.attn is not None and self.attn.window else {}
+
     def _decode_delta(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache, rows: Tensor,
-                      part: str = "block", token_ids: Tensor | None = None, context=None) -> Tensor:
+                      part: str = "block", token_ids: Tensor | None = None, context=None,
+                      positions: Tensor | None = None) -> Tensor:
         """f(x) of one token per row (n, 1, D) with the KV cache, `token_ids` (n, 1) their ids; `part` as in
-        `delta`; `context`: the rows' cache with this step's K/V already stored (`Attention.decode`)."""
+        `delta`; `context`: the rows' cache with this step's K/V already stored (`Attention.decode`); `positions`
+        (n,): the rows' positions (a local layer's cache keeps them)."""
         sublayers = route_part(part)
         if not sublayers.attention:
-            return self.mlp(self.mlp_norm(x), token_ids)
-        attn_update = self.attn.decode(self.attn_norm(x), cos, sin, cache, rows, context)
+            return self.mlp_update(x, token_ids)
+        attn_update = self.attn_output(self.attn.decode(self.attn_norm(x), cos, sin, cache, rows, context, positions))
         if not sublayers.mlp:
             return attn_update
-        return attn_update + self.mlp(self.mlp_norm(x + attn_update), token_ids)
+        return attn_update + self.mlp_update(x + attn_update, token_ids)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """--scale-embeddings (Gemma 3): the looked-up rows times sqrt(d_model), the factor rounded to the weight's dtype
+    first as transformers' Gemma3TextScaledWordEmbedding does (in bfloat16, sqrt(640) = 25.30 becomes 25.25)."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        scale = torch.tensor(self.embedding_dim ** 0.5, device=self.weight.device).to(self.weight.dtype)
+        return super().forward(tokens) * scale
 
 
 class MoDDecoder(nn.Module):
@@ -513,7 +595,8 @@ class MoDDecoder(nn.Module):
         self.config = config
         # Looked up once: the registry's import lookup would break a torch.compile graph at every call.
         self._capabilities = None if config.dense else router_class(config.router).capabilities
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed = (ScaledEmbedding(config.vocab_size, config.d_model) if config.scale_embeddings
+                      else nn.Embedding(config.vocab_size, config.d_model))
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self._add_head_and_initialise(self.blocks)
 

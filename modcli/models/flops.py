@@ -3,9 +3,10 @@
 A matmul of (m x n) by (n x p) costs 2 m n p FLOPs. A routed block runs attention and MLP on its k selected
 tokens only (k x k attention scores; with --keep-skipped-kv every token's K/V projection and k x T scores); the
 router runs on every token. Attention is counted in full (k x k, as
-`scaled_dot_product_attention` and `torch.utils.flop_counter` count it), not halved for causality. Element-wise
-work (norms, --qk-norm's per-head ones too, RoPE, softmax, SiLU, residual adds, gather/scatter) and the embedding
-lookup are not counted: they are a few percent at these sizes and FlopCounterMode does not count them either.
+`scaled_dot_product_attention` and `torch.utils.flop_counter` count it), not halved for causality nor cut by a
+--sliding-window (a masked kernel computes every score). Element-wise work (norms, --qk-norm's and
+--sandwich-norm's too, RoPE, softmax, SiLU or GELU, residual adds, gather/scatter) and the embedding lookup and its
+--scale-embeddings are not counted: they are a few percent at these sizes and FlopCounterMode does not count them either.
 
 A routed block is counted at its capacity: k = max(1, floor(capacity x T)) tokens. That is exactly what the
 full-sequence modes of `topk` and `random` process; a `threshold` router's share is learnt (the capacity is what

@@ -4,7 +4,8 @@ Llama, Mistral, Qwen2 and Qwen3 share one decoder layout (pre-norm RMSNorm, RoPE
 MLP; Qwen3 adds an RMSNorm on each query and key head, `q_norm`/`k_norm`), so they share `LlamaAdapter`'s name map;
 each family states what its config may ask for and what modcli refuses. The fused tensors: q, k and v projections
 are concatenated into `attn.qkv` (rows [q; k; v], biases likewise), gate and up projections into `mlp.gate_up` (rows
-[gate; up]). Nothing subclasses or imports `transformers`.
+[gate; up]). Gemma 3 has its own adapter (`Gemma3Adapter`: norms after each sublayer too, GeGLU, local layers).
+Nothing subclasses or imports `transformers`.
 """
 
 from __future__ import annotations
@@ -226,5 +227,103 @@ class Qwen3Adapter(Qwen2Adapter):
     has_qk_norm = True
 
 
+class Gemma3Adapter(LlamaAdapter):
+    """Gemma 3 (Gemma3ForCausalLM, Gemma3TextConfig): Qwen3's q/k norms plus a norm after each sublayer
+    (--sandwich-norm), GeGLU with the tanh GELU, the embedding times sqrt(hidden_size), local sliding-window layers
+    (`layer_types`) with their own RoPE base. Gemma's RMSNorms compute x * (1 + w) in float32: the adapter stores
+    1 + w (in float32, before the run's dtype), so modcli's RMSNorm is unchanged. What modcli cannot represent
+    (softcapping, a query scale other than head_dim ** -0.5, bidirectional attention, scaled RoPE) is refused."""
+
+    architecture = "Gemma3ForCausalLM"
+    has_qk_norm = True
+    NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+    def model_config(self, hf: dict[str, Any], seq_len: int | None, tensor_names: Collection[str],
+                     origin: str = "config.json") -> ModelConfig:
+        check_config(hf, origin)
+        name = self.architecture
+
+        def refuse(what: str) -> UserError:
+            return UserError(f"{name}: {what} is not supported")
+
+        activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise refuse(f"hidden_activation {activation!r} (modcli's GeGLU uses gelu_pytorch_tanh)")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise refuse(f"{key} {hf[key]!r} (logit softcapping)")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise refuse("attention_bias or mlp_bias")
+        if hf.get("use_bidirectional_attention"):
+            raise refuse("use_bidirectional_attention")
+        d_model, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or 256)  # Gemma3TextConfig's default
+        scalar = hf.get("query_pre_attn_scalar", 256)
+        if scalar != head_dim:
+            raise refuse(f"query_pre_attn_scalar {scalar!r} other than head_dim ({head_dim}) (modcli scales queries "
+                         "by head_dim ** -0.5)")
+        n_layers = int(hf["num_hidden_layers"])
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            pattern = int(hf.get("sliding_window_pattern") or 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        if (not isinstance(layer_types, list) or len(layer_types) != n_layers
+                or not set(layer_types) <= {"sliding_attention", "full_attention"}):
+            raise UserError(f"{origin}: layer_types must list sliding_attention or full_attention for each of the "
+                            f"{n_layers} layers, got {layer_types!r}")
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        window = hf.get("sliding_window") if sliding else None
+        if sliding and window is None:
+            raise UserError(f"{origin}: sliding_window is missing, but layer_types names sliding layers")
+        rope = hf.get("rope_parameters") or {}
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        for kind, table in (("full_attention", {**full, **(hf.get("rope_scaling") or {})}), ("sliding_attention", local)):
+            rope_type = table.get("rope_type") or table.get("type") or "default"
+            if rope_type != "default":
+                raise refuse(f"RoPE scaling {rope_type!r} on the {kind} layers")
+        global_base = float(full.get("rope_theta") or hf.get("rope_theta") or 1_000_000.0)
+        local_base = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10_000.0)
+        max_positions = int(hf.get("max_position_embeddings") or DEFAULT_CONTEXT)
+        return ModelConfig(
+            vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=n_layers, n_heads=heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_size=head_dim if head_dim * heads != d_model else 0,
+            seq_len=min(max_positions, DEFAULT_CONTEXT) if seq_len is None else seq_len,
+            mlp_hidden=int(hf["intermediate_size"]), route_every=0, dropout=0.0,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)), rope_base=global_base,
+            norm_eps=float(hf.get("rms_norm_eps") or 1e-6), qk_norm=True, sandwich_norm=True,
+            mlp_activation="gelu-tanh", scale_embeddings=True, sliding_window=int(window or 0),
+            sliding_layers=sliding if window else None,
+            local_rope_base=local_base if window and local_base != global_base else 0.0)
+
+    def expected_shapes(self, config: ModelConfig) -> dict[str, tuple[tuple[int, str], ...]]:
+        shapes = super().expected_shapes(config)
+        d_model = (config.d_model, "hidden_size")
+        for i in range(config.n_layers):
+            for norm in self.NORMS[2:]:
+                shapes[f"model.layers.{i}.{norm}.weight"] = (d_model,)
+        return shapes
+
+    def state_dict(self, config: ModelConfig, tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        def unit_offset(name: str) -> torch.Tensor:  # Gemma's x * (1 + w), folded in float32
+            return tensor(name).float() + 1.0
+
+        state = {"embed.weight": tensor("model.embed_tokens.weight"), "norm.weight": unit_offset("model.norm.weight")}
+        if not config.tie_embeddings:
+            state["head.weight"] = tensor("lm_head.weight")
+        for i in range(config.n_layers):
+            hf, ours = f"model.layers.{i}", f"blocks.{i}"
+            state[f"{ours}.attn.qkv.weight"] = torch.cat([tensor(f"{hf}.self_attn.{p}_proj.weight") for p in "qkv"])
+            state[f"{ours}.attn.q_norm.weight"] = unit_offset(f"{hf}.self_attn.q_norm.weight")
+            state[f"{ours}.attn.k_norm.weight"] = unit_offset(f"{hf}.self_attn.k_norm.weight")
+            state[f"{ours}.attn.proj.weight"] = tensor(f"{hf}.self_attn.o_proj.weight")
+            for norm, own in zip(self.NORMS, ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm"), strict=True):
+                state[f"{ours}.{own}.weight"] = unit_offset(f"{hf}.{norm}.weight")
+            state[f"{ours}.mlp.gate_up.weight"] = torch.cat([tensor(f"{hf}.mlp.gate_proj.weight"),
+                                                             tensor(f"{hf}.mlp.up_proj.weight")])
+            state[f"{ours}.mlp.down.weight"] = tensor(f"{hf}.mlp.down_proj.weight")
+        return state
+
+
 ADAPTERS = {adapter.architecture: adapter
-            for adapter in (LlamaAdapter(), MistralAdapter(), Qwen2Adapter(), Qwen3Adapter())}
+            for adapter in (LlamaAdapter(), MistralAdapter(), Qwen2Adapter(), Qwen3Adapter(), Gemma3Adapter())}

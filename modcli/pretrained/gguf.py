@@ -1,4 +1,5 @@
-"""A llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3) read as the Hugging Face model folder it was converted from.
+"""A llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3) read as the Hugging Face model folder it was
+converted from.
 
 `read_gguf(path)` gives what `modcli import` reads from a folder: a config.json-style dict (so the Llama / Qwen2 /
 Qwen3 adapter maps it), the tensors under their Hugging Face names, dequantized to float32 one at a time when asked for,
@@ -7,8 +8,9 @@ and a tokenizer.json rebuilt from the file's tokenizer metadata. It mirrors tran
 the same names, llama.cpp's Q/K row interleave undone for llama (its converter leaves qwen2 and qwen3 rows, and
 Qwen3's per-head q/k norms, as Hugging Face has them), the same tokenizer pieces, so the token ids
 are transformers'. One difference: the head size comes from `ARCH.attention.key_length`, which transformers' GGUF
-config does not read (a qwen3 file then gets Qwen3Config's default head_dim, 128). The `gguf` package is optional
-and imported only here.
+config does not read (a qwen3 file then gets Qwen3Config's default head_dim, 128). Gemma 3 (`gemma3`): llama.cpp
+stores its RMSNorm weights as 1 + w, which the reader turns back into w as transformers does; its tokenizer is
+transformers' GGUF Gemma tokenizer (`_gemma_bpe`). The `gguf` package is optional and imported only here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from modcli.models.decoder import llama3_frequencies
 
 GGUF_EXTRA = 'pip install "modcli[gguf]"'
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 """GGUF `general.architecture` -> the Hugging Face architecture whose adapter imports it (llama.cpp writes Mistral
 as llama)."""
 
@@ -42,8 +45,17 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_OWN_LAYER_TENSORS = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}}
-"""Layer tensors only some architectures have (Qwen3's RMSNorm on each query and key head)."""
+_OWN_LAYER_TENSORS = {
+    "qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+"""Layer tensors only some architectures have, or name otherwise (Qwen3's and Gemma 3's RMSNorm on each query and
+key head; Gemma 3's norms before and after each sublayer)."""
+_UNIT_OFFSET_NORMS = ("gemma3",)
+"""Architectures whose RMSNorms compute x * (1 + w): llama.cpp's converter stores 1 + w; the reader gives back w,
+as Hugging Face has it (transformers' Gemma2TensorProcessor subtracts 1 the same way)."""
 _ROPE_FREQS = "rope_freqs.weight"
 """Llama 3.1-style RoPE scaling, which llama.cpp stores as one frequency divisor per rotary pair."""
 
@@ -117,6 +129,8 @@ class GgufModel:
                 raise UserError(f"{self.path}: tensor {name} has {values.shape[0]} rows, not {heads} heads x "
                                 f"{self.config['head_dim']}")
             values = _undo_rotary_interleave(values, heads)
+        if self.architecture in _UNIT_OFFSET_NORMS and name.endswith("norm.weight"):
+            values = values - 1.0
         return values
 
 
@@ -264,6 +278,11 @@ def _config(metadata: _Metadata, architecture: str, gguf_names: set[str], n_toke
     }
     if sliding_window is not None:
         config.update(sliding_window=sliding_window, use_sliding_window=True)
+    if architecture == "gemma3":
+        # what transformers' GGUF loading leaves at Gemma3TextConfig's defaults: every 6th layer global, local RoPE
+        # base 10k; the query scale is head_dim ** -0.5, as llama.cpp computes it for Gemma 3 below 27B
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
+                      rope_local_base_freq=metadata.positive(key("rope.freq_base_swa"), 10000.0))
     scaling = metadata.get(key("rope.scaling.type"), "none")
     if scaling != "none":  # linear, yarn...: the adapter says which it can represent
         config["rope_scaling"] = {"rope_type": scaling, "factor": metadata.get(key("rope.scaling.factor")),
@@ -329,6 +348,9 @@ def _tokenizer_json(metadata: _Metadata) -> str:
         alphabet = set(_byte_spelling().values())
         control = [token for token, token_type in zip(tokens, token_types, strict=True)
                    if token_type == _CONTROL and set(token) <= alphabet]
+    elif metadata.get("general.architecture") == "gemma3":
+        tokenizer = _gemma_bpe(metadata, tokens)
+        control = [token for token, token_type in zip(tokens, token_types, strict=True) if token_type == _CONTROL]
     else:
         tokenizer = _sentencepiece_bpe(metadata, tokens)
         control = [token for token, token_type in zip(tokens, token_types, strict=True) if token_type == _CONTROL]
@@ -421,6 +443,28 @@ def _sentencepiece_bpe(metadata: _Metadata, tokens: list[str]) -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(content=" ", left=1)])
+    return tokenizer
+
+
+def _gemma_bpe(metadata: _Metadata, tokens: list[str]) -> Any:
+    """Gemma's SentencePiece BPE as transformers' GGUF loading builds it (GemmaTokenizer, `gemma_tokenizer`): a
+    token of spaces only is respelled with U+2581, and the merges, which the file does not hold, are rebuilt with the
+    file's order as their rank (Gemma's scores do not follow the merge order); spaces become U+2581 before the
+    split, and no prefix space is added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    respelled = ["\u2581" * len(token) if " " in token and not token.strip() else token for token in tokens]
+    vocab = {token: index for index, token in enumerate(respelled)}
+    merges = _merges(metadata)
+    if merges is None:
+        merges = _merges_from_scores(vocab, {token: -index for index, token in enumerate(respelled)})
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[unknown] if isinstance(unknown, int) and 0 <= unknown < len(tokens) else "<unk>"
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk_token, dropout=None,
+                                     byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return tokenizer
 
 

@@ -41,7 +41,7 @@ class ImportConfig:
 
     source: str
     """A Hugging Face model folder (config.json, model.safetensors or its index and shards, tokenizer.json), or a
-    llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3)."""
+    llama.cpp GGUF file (Llama, Mistral, Qwen2, Qwen3, Gemma 3)."""
     out: str
     """Run folder to write (must not exist, or be empty)."""
     seq_len: int | None = None

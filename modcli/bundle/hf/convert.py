@@ -19,7 +19,7 @@ REMOTE_FILES = ("configuration_modcli.py", "modeling_modcli.py")
 AUTO_MAP = {"AutoConfig": "configuration_modcli.ModcliConfig",
             "AutoModelForCausalLM": "modeling_modcli.ModcliForCausalLM"}
 PLAIN = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-         "Qwen3ForCausalLM": "qwen3"}
+         "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
 """The plain architectures a dense model exports as (transformers' own classes, no remote code)."""
 
 
@@ -49,6 +49,10 @@ def refusal(model: MoDDecoder, routing: str) -> str | None:
     family = config.family
     if not family.exportable:
         return f"--arch {family.name} cannot be written as a Hugging Face folder: {family.export_note}"
+    if config.eager_only_options and plain_architecture(config, None) != "Gemma3ForCausalLM":
+        return (f"a Hugging Face folder holds {', '.join(config.eager_only_options)} (Gemma 3's traits) only as a dense "
+                "Gemma3ForCausalLM (q/k norms, norms after each sublayer, GeGLU, scaled embedding; no routing, "
+                "experts, drops, q/k/v biases or RoPE scaling); the run works with eval and generate")
     routers = _routers(model)
     if not routers:
         return None
@@ -70,6 +74,10 @@ def plain_architecture(config: ModelConfig, source: str | None) -> str | None:
     architecture: Qwen3's attention_bias also biases the output projection)."""
     if not config.dense or config.experts or config.drop:  # a static drop: the folder's own code (no attention)
         return None
+    if config.eager_only_options:  # Gemma 3's traits: only all of them together, as Gemma 3 has them, have a plain form
+        gemma = (config.qk_norm and config.sandwich_norm and config.scale_embeddings and not config.qkv_bias
+                 and config.mlp_activation == "gelu-tanh" and config.rope_scaling is None)
+        return "Gemma3ForCausalLM" if gemma else None
     if config.qk_norm:
         return None if config.qkv_bias else "Qwen3ForCausalLM"
     if config.qkv_bias:
@@ -114,6 +122,9 @@ def convert(model: MoDDecoder, routing: str, source: str | None, dtype: torch.dt
     state = {name: (tensor.detach().to(dtype) if tensor.is_floating_point() else tensor.detach()).contiguous()
              for name, tensor in model.state_dict().items()}  # integer buffers (hash routing's table) stay as they are
     architecture = plain_architecture(config, source)
+    if architecture == "Gemma3ForCausalLM":
+        return Converted(_gemma3_config(config, dtype), _gemma3_state(config, model.state_dict(), dtype), True,
+                         architecture)
     if architecture is not None:
         return Converted(_plain_config(config, architecture, dtype), _plain_state(config, state), True, architecture)
     if config.tie_embeddings:
@@ -155,6 +166,50 @@ def _plain_config(config: ModelConfig, architecture: str, dtype: torch.dtype) ->
                    layer_types=["full_attention"] * config.n_layers)
     if model_type == "qwen3":
         out.update(attention_bias=False)
+    return out
+
+
+def _gemma3_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A Gemma3TextConfig of the model's shape: its local layers, window and two RoPE bases."""
+    layer_types = ["sliding_attention" if config.is_sliding(layer) else "full_attention"
+                   for layer in range(config.n_layers)]
+    local_base = config.local_rope_base or config.rope_base
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_common(config, dtype),
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": norm_eps(config), "attention_dropout": 0.0,
+            "initializer_range": 0.02, "attention_bias": False, "query_pre_attn_scalar": config.head_dim,
+            "sliding_window": config.sliding_window or config.seq_len, "layer_types": layer_types,
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": config.rope_base},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local_base}},
+            "rope_theta": config.rope_base, "rope_local_base_freq": local_base,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False}
+
+
+def _gemma3_state(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """modcli's names -> Gemma3ForCausalLM's (the reverse of modcli.pretrained.adapters.Gemma3Adapter.state_dict):
+    each RMSNorm weight w back to Gemma's w - 1 (computed in float32, then `dtype`)."""
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(dtype).contiguous()
+
+    def gemma_norm(name: str) -> torch.Tensor:
+        return cast(state[name].detach().float() - 1.0)
+
+    out = {"model.embed_tokens.weight": cast(state["embed.weight"]), "model.norm.weight": gemma_norm("norm.weight")}
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = cast(state["head.weight"])
+    sizes = [config.n_heads * config.head_dim] + 2 * [config.kv_heads * config.head_dim]
+    norms = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+             "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm",
+             "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+    for i in range(config.n_layers):
+        ours, hf = f"blocks.{i}", f"model.layers.{i}"
+        for own, theirs in norms.items():
+            out[f"{hf}.{theirs}.weight"] = gemma_norm(f"{ours}.{own}.weight")
+        for name, part in zip("qkv", state[f"{ours}.attn.qkv.weight"].split(sizes), strict=True):
+            out[f"{hf}.self_attn.{name}_proj.weight"] = cast(part)
+        out[f"{hf}.self_attn.o_proj.weight"] = cast(state[f"{ours}.attn.proj.weight"])
+        gate, up = state[f"{ours}.mlp.gate_up.weight"].chunk(2)
+        out[f"{hf}.mlp.gate_proj.weight"], out[f"{hf}.mlp.up_proj.weight"] = cast(gate), cast(up)
+        out[f"{hf}.mlp.down_proj.weight"] = cast(state[f"{ours}.mlp.down.weight"])
     return out
 
 

@@ -31,7 +31,7 @@ def family(name: str) -> Family:
 MOD = register(Family(
     "mod", "modcli.models.decoder:MoDDecoder",
     "Mixture-of-Depths decoder (dense with --dense / --route-every 0; MoE and MoDE with --experts)",
-    static_drops=True))
+    static_drops=True, gemma_traits=True))
 register(EARLY_EXIT)
 register(RECURSION)
 DEFAULT_FAMILY = MOD.name

@@ -46,6 +46,9 @@ class Family:
     (modcli.decode.generation.FamilyDecoding), or None where the options choose the full depth."""
     static_drops: bool = False
     """`--drop` may remove sublayers of its blocks (each block its own, decoded at one depth)."""
+    gemma_traits: bool = False
+    """Its decoder honours Gemma 3's options (sandwich norms, GeGLU, embedding scale, sliding-window attention and its
+    RoPE base: `ModelConfig.eager_only_options`)."""
     exportable: bool = True
     """`modcli export` can lower it (else it refuses with `export_note` as the reason)."""
     router_fields: tuple[str, ...] = ()
