@@ -34,7 +34,6 @@ import importlib.util
 import json
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from modcli.bundle.config import ExportConfig
 from modcli.bundle.hf.card import provenance
 from modcli.bundle.hf.convert import norm_eps, plain_architecture
 from modcli.bundle.validation import validation_text
-from modcli.bundle.writer import Progress, export_lock, write_failed
+from modcli.bundle.writer import Progress, timed_export, write_failed
 from modcli.checkpoint import atomic
 from modcli.checkpoint.store import load_model_from
 from modcli.config import ModelConfig
@@ -118,13 +117,7 @@ class _CheckFailed(Exception):
 
 def export_gguf(config: ExportConfig, log: Callable[[str], None] | None = None) -> GGUFExportResult:
     """Convert, write, check and publish the GGUF file; every user mistake is a UserError and leaves nothing behind."""
-    log = log or (lambda message: None)
-    started = time.perf_counter()
-    out = Path(config.out)
-    with export_lock(out, log):
-        result = _export(config, out, Progress(log, started))
-    result.seconds = time.perf_counter() - started
-    return result
+    return timed_export(config, _export, log)
 
 
 def _check_out(out: Path, force: bool) -> tuple | None:

@@ -181,6 +181,18 @@ def write_failed(exc: BaseException, what: str) -> WriteFailed | None:
     return WriteFailed(f"cannot write {what}: {' '.join(str(exc).split())[:300]}")
 
 
+def timed_export(config, export: Callable, log: Callable[[str], None] | None = None):
+    """`export(config, out, progress)` under --out's lock (`export_lock`), its result's `seconds` set: the frame of
+    `export --hf` and `export --gguf`."""
+    log = log or (lambda message: None)
+    started = time.perf_counter()
+    out = Path(config.out)
+    with export_lock(out, log):
+        result = export(config, out, Progress(log, started))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
 class Progress:
     """Progress lines to `log` (stderr; nothing with --json) with the seconds since the export started."""
 

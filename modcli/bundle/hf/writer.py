@@ -19,7 +19,6 @@ import dataclasses
 import importlib.util
 import json
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from modcli.bundle.hf.card import last_validation, model_card, provenance
 from modcli.bundle.hf.convert import REMOTE, REMOTE_FILES, Converted, convert
 from modcli.bundle.hf.tokenizer import write_tokenizer
 from modcli.bundle.validation import validation_text
-from modcli.bundle.writer import Progress, check_out, export_lock, write_failed
+from modcli.bundle.writer import Progress, check_out, timed_export, write_failed
 from modcli.checkpoint import atomic
 from modcli.checkpoint.store import load_model_from, slow_save_pause
 from modcli.decode.generation import prefill
@@ -92,13 +91,7 @@ def _written_by_export_hf(out: Path) -> bool:
 
 def export_hf(config: ExportConfig, log: Callable[[str], None] | None = None) -> HFExportResult:
     """Convert, check and write the folder; every user mistake is a UserError and leaves nothing behind."""
-    log = log or (lambda message: None)
-    started = time.perf_counter()
-    out = Path(config.out)
-    with export_lock(out, log):
-        result = _export(config, out, Progress(log, started))
-    result.seconds = time.perf_counter() - started
-    return result
+    return timed_export(config, _export, log)
 
 
 def _export(config: ExportConfig, out: Path, log: Progress) -> HFExportResult:
