@@ -48,6 +48,9 @@ EXPORT_RECIPE=${EXPORT_RECIPE:-}        # the recipe whose converted model is ex
 # are still checked exactly.
 EXPORT_ATOL=${EXPORT_ATOL:-2e-2}
 QUIET_WAIT_S=${QUIET_WAIT_S:-30}
+# REUSE_RUNS=1: a recipe whose run ($WORK/NAME) and raw train/eval results are already there is not trained or
+# evaluated again, only profiled (re-timing a frontier on a quiet machine, or adding the long profile)
+REUSE_RUNS=${REUSE_RUNS:-0}
 # Threads of the timed commands (modcli profile): on a shared machine, run the script with OMP_NUM_THREADS=1 (the
 # training and evaluation) and PROFILE_THREADS=2 (the timing, both models alike); empty: the environment's.
 PROFILE_THREADS=${PROFILE_THREADS:-${OMP_NUM_THREADS:-}}
@@ -129,18 +132,26 @@ while IFS='|' read -r name modes flags; do
   [ -n "$name" ] || continue
   run=$WORK/$name
   steps=$(grep -o -- '--max-steps [0-9]*' <<< "$flags" | tail -1 | cut -d' ' -f2 || true)
-  log "$name: train (${steps:-$STEPS} steps x $BATCH x $SEQ_LEN tokens): $flags"
-  rm -rf "$run"
-  # shellcheck disable=SC2086  # the recipe's flags are words
-  steps=${steps:-$STEPS}  # a recipe's own --max-steps 0 (a static drop, untrained) evaluates once, at step 0
-  "$MODCLI" train --init-from "$DENSE" --max-steps "$STEPS" --batch-size "$BATCH" --warmup "$WARMUP" \
-    --eval-every "$(( steps > 0 ? steps : 1 ))" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json $flags \
-    > "$RAW/$name.train.json" < /dev/null
-  cp "$run/metrics.jsonl" "$RAW/$name.metrics.jsonl"
+  reuse=0
+  if [ "$REUSE_RUNS" = 1 ] && [ -s "$RAW/$name.train.json" ] && [ -s "$run/metrics.jsonl" ]; then
+    reuse=1
+    log "$name: reusing the trained run $run and its quality results (REUSE_RUNS=1)"
+  else
+    log "$name: train (${steps:-$STEPS} steps x $BATCH x $SEQ_LEN tokens): $flags"
+    rm -rf "$run"
+    # shellcheck disable=SC2086  # the recipe's flags are words
+    steps=${steps:-$STEPS}  # a recipe's own --max-steps 0 (a static drop, untrained) evaluates once, at step 0
+    "$MODCLI" train --init-from "$DENSE" --max-steps "$STEPS" --batch-size "$BATCH" --warmup "$WARMUP" \
+      --eval-every "$(( steps > 0 ? steps : 1 ))" --eval-batches 1 --log-every 5 --keep 1 --out "$run" --json $flags \
+      > "$RAW/$name.train.json" < /dev/null
+    cp "$run/metrics.jsonl" "$RAW/$name.metrics.jsonl"
+  fi
   IFS=',' read -r -a mode_list <<< "$modes"
   for mode in "${mode_list[@]}"; do
-    log "$name ($mode): eval (stdlib, prose) and greedy text"
-    measure_quality "$run" "$RAW/$name.$mode" --routing "$mode" < /dev/null
+    if [ "$reuse" = 0 ] || [ ! -s "$RAW/$name.$mode.generate.json" ]; then
+      log "$name ($mode): eval (stdlib, prose) and greedy text"
+      measure_quality "$run" "$RAW/$name.$mode" --routing "$mode" < /dev/null
+    fi
     log "$name ($mode): profile against dense at T = $PROFILE_SEQ_LENS"
     "$PY" bench/wait_quiet.py --max-wait "$QUIET_WAIT_S" < /dev/null || true
     timed "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$PROFILE_SEQ_LENS" --batch-size 1 \
@@ -178,7 +189,7 @@ settings = dict(steps=$STEPS, batch=$BATCH, warmup=$WARMUP, capacity_warmup=$CAP
                 eval_windows=$EVAL_BATCHES * $EVAL_BATCH_SIZE, prose="$PROSE", profile_seq_lens="$PROFILE_SEQ_LENS",
                 profile_repeats=$PROFILE_REPEATS, decode_tokens=$DECODE_TOKENS, gen_tokens=$GEN_TOKENS,
                 long_seq_len=$LONG_SEQ_LEN, long_recipes="$LONG_RECIPES", long_repeats=$LONG_REPEATS,
-                long_decode_tokens=$LONG_DECODE_TOKENS, export_recipe="$EXPORT_RECIPE",
+                long_decode_tokens=$LONG_DECODE_TOKENS, export_recipe="$EXPORT_RECIPE", reuse_runs=$REUSE_RUNS,
                 export_atol=$EXPORT_ATOL, threads="${OMP_NUM_THREADS:-}", profile_threads="$PROFILE_THREADS")
 record = dict(wall_s=int(sys.argv[2]), settings=settings, gguf="$(basename "$GGUF")", machine=platform.machine(),
               cpus=os.cpu_count(), load_avg_end=os.getloadavg())
