@@ -62,8 +62,12 @@ def _time_decode(bundle: Bundle, batch: int, cache_tokens: int, routed_cache_tok
         feeds[f"keys.{layer}"] = rng.standard_normal(shape).astype(dtype)
         feeds[f"values.{layer}"] = rng.standard_normal(shape).astype(dtype)
         feeds[f"lengths.{layer}"] = np.full(batch, tokens, dtype=np.int64)
+        if layer in spec.local_layers:  # a local layer's slots hold the latest `tokens` positions, then the step's
+            held = np.arange(cache_tokens - tokens, cache_tokens + 1, dtype=np.int64)  # (tokens + 1,)
+            feeds[f"slot_positions.{layer}"] = np.tile(held, (batch, 1))  # (B, tokens + 1)
     if cache is not spec:  # the device cache (modcli_runtime.device): the same contents in device buffers
-        feeds.update({name: cache.to_device(array) for name, array in feeds.items() if not name.startswith("lengths")})
+        feeds.update({name: cache.to_device(array) for name, array in feeds.items()
+                      if not name.startswith(("lengths", "slot_positions"))})
     feeds["positions"] = np.full(batch, cache_tokens, dtype=np.int64)
     processed = {layer: 0 for layer in spec.routed_layers}
 

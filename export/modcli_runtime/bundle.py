@@ -20,9 +20,11 @@ from modcli_runtime.generate import Generation, generate_tokens
 from modcli_runtime.text import ByteTokenizer, JsonTokenizer
 
 FORMAT = "modcli-bundle"
-FORMAT_VERSION = 2
-"""2: the decode graph reads the KV cache and returns only the new token's K/V (the runtime writes them in place);
-1: it returned the whole updated cache every step (its decode graph is refused, its forward graph still runs)."""
+FORMAT_VERSION = 3
+"""3: a local (sliding-window) layer's decode inputs include slot_positions.L, each cache slot's original position,
+which the runtime stores beside the K/V (manifest graphs.decode.cache.local_layers); 2: the decode graph reads the
+KV cache and returns only the new token's K/V (the runtime writes them in place); 1: it returned the whole updated
+cache every step (its decode graph is refused, its forward graph still runs)."""
 DECODE_FORMAT_VERSION = 2
 """The oldest bundle format whose decode graph this runtime runs."""
 PROVIDERS = ("auto", "cpu", "cuda")

@@ -5,7 +5,7 @@ numpy only. The device-resident variant for the CUDA provider, with the same int
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,11 @@ class CacheSpec:
     (B, Hkv, 1, hd)) at slot lengths.L[b] of these numpy buffers, in place, and adds 1 to lengths.L[b]: for every
     row in a layer outside `processed_row_layers`, and only for rows with processed.L[b] true in the layers of
     `processed_row_layers` (attention-routed layers). Buffers grow by doubling when a row's next slot would not fit.
+
+    A local (sliding-window) layer, in `local_layers`, has one more buffer, slot_positions.L (B, slots) int64: the
+    original position of the token in each slot (a routed layer's slot s is the s-th token it kept, not position
+    s), which its decode graph reads to mask the keys `window` or more positions back. `write_rows` stores the
+    step's `positions` feed in it, at the slot where it stores the row's K/V.
     """
 
     n_layers: int
@@ -35,6 +40,8 @@ class CacheSpec:
     kv_layers: list[int] | None = None
     """The layers that have a cache (a static drop removes a layer's attention and its cache); None = every layer
     (bundles written before drops existed)."""
+    local_layers: list[int] = field(default_factory=list)
+    """Local (sliding-window) layers: their cache also holds slot_positions.L (bundles of format 3 and later)."""
 
     @property
     def layers(self) -> list[int]:
@@ -47,9 +54,10 @@ class CacheSpec:
         spec = cls(int(cache["n_layers"]), int(cache["n_heads"]), int(cache["head_dim"]), cache["dtype"],
                    [int(layer) for layer in cache["routed_layers"]], tuple(cache["capacity"]),
                    [int(layer) for layer in cache["processed_row_layers"]],
-                   None if cache.get("kv_layers") is None else [int(layer) for layer in cache["kv_layers"]])
+                   None if cache.get("kv_layers") is None else [int(layer) for layer in cache["kv_layers"]],
+                   [int(layer) for layer in cache.get("local_layers", [])])
         if (spec.dtype not in NUMPY_DTYPES or not set(spec.processed_row_layers) <= set(spec.routed_layers)
-                or not set(spec.layers) <= set(range(spec.n_layers))):
+                or not set(spec.layers) <= set(range(spec.n_layers)) or not set(spec.local_layers) <= set(spec.layers)):
             raise ValueError("bad cache description")
         return spec
 
@@ -72,6 +80,8 @@ class CacheSpec:
             feeds[f"keys.{layer}"] = np.zeros(shape, dtype=dtype)
             feeds[f"values.{layer}"] = np.zeros(shape, dtype=dtype)
             feeds[f"lengths.{layer}"] = np.zeros(batch, dtype=np.int64)
+            if layer in self.local_layers:
+                feeds[f"slot_positions.{layer}"] = np.zeros((batch, shape[2]), dtype=np.int64)
         return feeds
 
     def ensure_room(self, feeds: dict[str, np.ndarray]) -> None:
@@ -91,6 +101,7 @@ class CacheSpec:
             grown = np.zeros((*old.shape[:2], slots, old.shape[3]), dtype=old.dtype)
             grown[:, :, :old.shape[2]] = old
             feeds[f"{name}.{layer}"] = grown
+        grow_slot_positions(feeds, layer, slots)
 
     def write_rows(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
         """Store one decode step's K/V in the cache buffers of `feeds`, in place, and advance their lengths.
@@ -114,6 +125,8 @@ class CacheSpec:
                 self._grow(feeds, layer, int(slots.max()) + 1)
             new_keys, new_values = outputs[f"new_{keys_name}"], outputs[f"new_{values_name}"]
             keys, values = feeds[keys_name], feeds[values_name]
+            if layer in self.local_layers:  # the rows' positions beside their K/V
+                feeds[f"slot_positions.{layer}"][rows, slots] = feeds["positions"][rows]
             if rows.size <= 4:  # a few rows: plain indexing is cheaper than numpy's advanced indexing
                 for row, slot in zip(rows.tolist(), slots.tolist(), strict=True):
                     keys[row, :, slot] = new_keys[row, :, 0]
@@ -126,3 +139,15 @@ class CacheSpec:
     def __post_init__(self) -> None:
         self._every_row = tuple(self.writes_every_row(layer) for layer in self.layers)
         self._names = tuple((f"keys.{layer}", f"values.{layer}", f"lengths.{layer}") for layer in self.layers)
+
+
+def grow_slot_positions(feeds: dict[str, Any], layer: int, slots: int) -> None:
+    """A local layer's slot_positions.L (B, S) widened to `slots` along with its K/V buffers (numpy, on the host, in
+    both caches: the decode graph reads it as a small int64 input); nothing for other layers."""
+    name = f"slot_positions.{layer}"
+    old = feeds.get(name)
+    if old is None or old.shape[1] >= slots:
+        return
+    grown = np.zeros((old.shape[0], slots), dtype=old.dtype)
+    grown[:, :old.shape[1]] = old
+    feeds[name] = grown

@@ -4,7 +4,8 @@ With numpy buffers (modcli_runtime.cache.CacheSpec), onnxruntime's CPU provider 
 the CUDA provider would copy every layer's whole cache from host to device at every step. Here the cache is held
 as onnxruntime OrtValues on the device instead, bound to the decode graph with I/O binding
 (`bind_ortvalue_input`), and the step's new rows come back as device OrtValues (`bind_output(name, "cuda")`); only
-tokens, positions, lengths, logits and the processed flags cross to and from the host.
+tokens, positions, lengths, a local layer's slot_positions, logits and the processed flags cross to and from the
+host.
 
 The rows are written on the device, in place, by the bundle's `cache_write.onnx` (written by `modcli export`):
 Gather the writing rows of new_keys.L, then ScatterND them into the cache at [row, head, lengths[row]], with the
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from modcli_runtime.cache import NUMPY_DTYPES, CacheSpec
+from modcli_runtime.cache import NUMPY_DTYPES, CacheSpec, grow_slot_positions
 
 WRITER_GRAPH = "cache_write"
 """The bundle's graph that writes rows into a cache buffer in place (inputs cache, new_rows, rows, indices)."""
@@ -62,6 +63,8 @@ class DeviceCache:
             for name in ("keys", "values"):
                 feeds[f"{name}.{layer}"] = self.to_device(np.zeros(shape, dtype=dtype))
             feeds[f"lengths.{layer}"] = np.zeros(batch, dtype=np.int64)
+            if layer in self.spec.local_layers:  # a local layer's slot positions: small, kept on the host
+                feeds[f"slot_positions.{layer}"] = np.zeros((batch, shape[2]), dtype=np.int64)
         return feeds
 
     def step(self, feeds: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +95,7 @@ class DeviceCache:
             grown = np.zeros((*old.shape[:2], max(needed, 2 * slots), old.shape[3]), dtype=old.dtype)
             grown[:, :, :slots] = old
             feeds[f"{name}.{layer}"] = self.to_device(grown)
+        grow_slot_positions(feeds, layer, max(needed, 2 * slots))
 
     def write_rows(self, feeds: dict[str, Any], outputs: dict[str, Any]) -> None:
         """`CacheSpec.write_rows` on the device: row b's new K/V at slot lengths.L[b], in place."""
@@ -107,6 +111,8 @@ class DeviceCache:
             lengths = feeds[f"lengths.{layer}"]
             slots = lengths[rows]  # (n,)
             self._grow(feeds, layer, int(slots.max()) + 1)
+            if layer in self.spec.local_layers:  # the rows' positions beside their K/V (host memory)
+                feeds[f"slot_positions.{layer}"][rows, slots] = feeds["positions"][rows]
             indices = np.empty((rows.size, heads.size, 3), dtype=np.int64)  # (n, Hkv, [row, head, slot])
             indices[..., 0], indices[..., 1], indices[..., 2] = rows[:, None], heads[None, :], slots[:, None]
             for name in ("keys", "values"):

@@ -31,6 +31,17 @@ Runtime 1.31 CPU: T 512 2.53 -> 2.18 ms, T 1024 13.1 -> 7.1 ms, T 2048 65.9 -> 2
 forward graph 189 -> 138 ms at T 1024 and the same at T 256 (26.8 / 26.9 ms at batch 1, 197 / 196 ms at batch 8:
 the If costs about 0.02 ms per layer). Building the If reads the exporter's tracer (torch.onnx's internals); where
 that is not there, the graph has the single-block path only.
+
+A local (--sliding-window, Gemma 3) layer's attention in the forward graph comes with an explicit boolean mask
+(`Attention.local_mask`: causal by slot, within the window by original position), as does --keep-skipped-kv's
+(queries against every token's keys), and takes the exporter's own translation
+(`_aten_scaled_dot_product_attention_bool_mask_onnx`): Where(mask, 0, float32 min) added to the scores, Softmax, and
+a Where(IsNaN) for fully masked rows (none here: a token always sees itself). That is exact (float32 min added to a
+finite score underflows its weight to 0) but not fast: the masked scores, most of a T x T matrix when T is many
+windows long, take onnxruntime's slow Softmax/Exp path described above (8-9x the Softmax time of an unmasked row),
+the keys are transposed by a copy, and there is no blocked long-sequence path, so a local layer's forward costs
+the full T x T scores however small the window. The decode graph does not use this translation: its attention is
+`attend_cache_and_self`, whose window mask is a Where to weight exactly 0 after a clamped Exp.
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ def gguf_refusal_or_architecture(model: MoDDecoder, source: str | None) -> str:
     if config.experts:
         raise UserError(f"--gguf: a mixture-of-experts MLP (--experts {config.experts}) is not written by modcli's "
                         "GGUF export; use --onnx or --hf")
-    gemma = getattr(config, "eager_only_options", None)  # the Gemma 3 traits, where this modcli has them
+    gemma = getattr(config, "gemma_options", None)  # the Gemma 3 traits, where this modcli has them
     if gemma:
         raise UserError(f"--gguf: modcli's GGUF export does not write {', '.join(gemma)} (Gemma 3's traits) yet; "
                         "export with --onnx or --hf where they support it")

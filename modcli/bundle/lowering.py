@@ -95,6 +95,10 @@ def decode_spec(model: MoDDecoder, routing: str) -> GraphSpec:
         cache_shapes += [{0: batch, 2: slot_dim}, {0: batch, 2: slot_dim}, {0: batch}]
         axes.update({f"keys.{layer}": {0: "batch", 2: f"slots.{layer}"},
                      f"values.{layer}": {0: "batch", 2: f"slots.{layer}"}, f"lengths.{layer}": {0: "batch"}})
+        if layer in module.local_layers:  # --sliding-window: each slot's original position, ascending
+            cache.append(torch.arange(slots).repeat(2, 1))  # (B, slots)
+            cache_shapes.append({0: batch, 1: slot_dim})
+            axes[f"slot_positions.{layer}"] = {0: "batch", 1: f"slots.{layer}"}
     mode = routing if not config.dense else "dense"
     return GraphSpec(
         name="decode", module=module, args=(tokens, positions, *cache),

@@ -263,7 +263,8 @@ def validate_bundle(folder: Path, model: MoDDecoder, specs: list[GraphSpec], con
         torch_spec = CacheSpec(model_config.n_layers, model_config.kv_heads, model_config.head_dim, "float32",
                                model_config.routed_layers(), model_config.capacity_fraction(),
                                [layer for layer in range(model_config.n_layers)
-                                if model_config.kv_is_routed(layer)], model_config.kv_layers())
+                                if model_config.kv_is_routed(layer)], model_config.kv_layers(),
+                               [layer for layer in model_config.kv_layers() if model_config.is_sliding(layer)])
         by_name = {s.name: s for s in specs}
         for name, calls in runners:
             if "forward" in calls:

@@ -7,11 +7,13 @@ The bundle is a folder:
   sequences, not for decoding). k = max(1, T * num // den) is computed inside the graph, so one graph serves
   every T and B.
 - `decode.onnx`: one token per sequence plus an explicit, read-only KV cache (per layer (B, Hkv, slots, hd)
-  keys/values and (B,) lengths), with causal routing (`--routing router|predictor`). It returns the logits, only
-  this step's K/V per layer (new_keys.L/new_values.L, (B, Hkv, 1, hd)) and per routed layer which rows processed
-  the token; the manifest's `graphs.decode.cache` says which layers store every row's K/V and which only the
-  processed rows' (the runtime writes them in place). The prompt is fed through this graph one token at a time,
-  which fills the cache with exactly the decisions `modcli generate` makes.
+  keys/values and (B,) lengths; a local (--sliding-window) layer also (B, slots) slot_positions, each slot's
+  original position, which the runtime stores beside the K/V: modcli.decode.graphs), with causal routing
+  (`--routing router|predictor`). It returns the logits, only this step's K/V per layer (new_keys.L/new_values.L,
+  (B, Hkv, 1, hd)) and per routed layer which rows processed the token; the manifest's `graphs.decode.cache` says
+  which layers store every row's K/V and which only the processed rows' (the runtime writes them in place). The
+  prompt is fed through this graph one token at a time, which fills the cache with exactly the decisions `modcli
+  generate` makes.
 - `cache_write.onnx` (with decode.onnx): writes a step's K/V rows into a cache buffer in place; the runtime uses it
   to keep the KV cache on the device with the CUDA provider (modcli_runtime.device).
 - with `--compile`: `<graph>.pt2` (torch.export ExportedProgram, dynamic dims) and `<graph>.aoti.pt2`
@@ -78,7 +80,11 @@ CACHE_UPDATE_NOTE = ("the graph only reads the cache and returns this step's K/V
                      "(B, Hkv, 1, hd); the caller stores row b's at slot lengths.L[b] of its own buffers, in place, "
                      "and adds 1 to lengths.L[b]: for every row in every_row_layers, and only for rows with "
                      "processed.L[b] true in processed_row_layers (attention-routed layers whose skipped "
-                     "tokens keep no K/V)")
+                     "tokens keep no K/V); a local (sliding-window) layer of local_layers also reads "
+                     "slot_positions.L (B, slots) int64, the original position of the token in each slot (a routed "
+                     "layer's slots are not positions), and the caller stores positions[b] at the same slot as row "
+                     "b's K/V; the graph masks the slots at or past lengths.L[b] and those window or more positions "
+                     "before the query's")
 PREFILL_NOTE = ("the prompt is fed through the decode graph one token per step (exactly the causal decisions of "
                 "`modcli generate`); there is no batched causal prefill graph")
 
@@ -239,9 +245,6 @@ def _export(config: ExportConfig, out: Path, log: Callable[[str], None], started
         raise UserError(f"--arch {family.name} cannot be exported: {family.export_note}")
     if family.export_note:
         log(f"note: --arch {family.name}: {family.export_note}")
-    if model.config.eager_only_options:
-        raise UserError(f"the ONNX export does not support {', '.join(model.config.eager_only_options)} yet (Gemma 3's "
-                        "traits); the run works with eval and generate")
     config = dataclasses.replace(config, routing=config.routing or (model.causal_modes() or ("dense",))[0])
     model.check_routing(config.routing, causal=True)
     if model.capabilities is not None:
@@ -343,6 +346,8 @@ def _write_bundle(tmp: Path, out: Path, config: ExportConfig, model: MoDDecoder,
                                  if not model_config.kv_is_routed(layer)],
             "processed_row_layers": [layer for layer in range(model_config.n_layers)
                                      if model_config.kv_is_routed(layer)],
+            "local_layers": [layer for layer in model_config.kv_layers() if model_config.is_sliding(layer)],
+            "window": model_config.sliding_window,
             "update": CACHE_UPDATE_NOTE, "prefill": PREFILL_NOTE}
     if "forward" in graphs and not model_config.dense:
         graphs["forward"]["capacity"] = {"fraction": [num, den], "k": "max(1, T * num // den), computed in the graph"}

@@ -175,8 +175,8 @@ class ModelConfig(RoutingLayout):
         require(self.local_rope_base == 0 or self.local_rope_base > 1,
                 f"--local-rope-base must be > 1 (or 0: --rope-base), got {self.local_rope_base}")
         self._check_arch()
-        require(not self.eager_only_options or self.family.gemma_traits,
-                f"{', '.join(self.eager_only_options)}: supported by --arch mod only so far, not {self.arch}")
+        require(not self.gemma_options or self.family.gemma_traits,
+                f"{', '.join(self.gemma_options)}: supported by --arch mod only so far, not {self.arch}")
         self._check_routing()
         self.family.validate(self)
         require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}")
@@ -209,10 +209,10 @@ class ModelConfig(RoutingLayout):
         return self.local_rope_base if self.local_rope_base and self.is_sliding(layer) else self.rope_base
 
     @property
-    def eager_only_options(self) -> list[str]:
-        """This model's Gemma 3 options, as flags, that only the eager decoder (forward, prefill, cached decode) and
-        export --hf honour so far: the ONNX export, static decoding and the other families refuse a model that sets
-        any, naming them."""
+    def gemma_options(self) -> list[str]:
+        """This model's Gemma 3 options, as flags. The mod family honours them everywhere (forward, cached and static
+        decoding, the ONNX export and modcli-run, export --hf of a dense run); the other families, a routed or
+        dropped export --hf and export --gguf refuse a model that sets any, naming them."""
         options = [("sandwich_norm", "--sandwich-norm"), ("scale_embeddings", "--scale-embeddings"),
                    ("sliding_window", "--sliding-window"), ("local_rope_base", "--local-rope-base")]
         named = [flag for name, flag in options if getattr(self, name)]

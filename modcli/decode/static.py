@@ -43,16 +43,17 @@ class StaticDecodeStep(nn.Module):
             self.register_buffer(f"keys_{layer}", layer_cache.keys, persistent=False)
             self.register_buffer(f"values_{layer}", layer_cache.values, persistent=False)
             self.register_buffer(f"lengths_{layer}", layer_cache.lengths, persistent=False)
+            if layer in graph.local_layers:  # --sliding-window: each slot's original position
+                self.register_buffer(f"slot_positions_{layer}", layer_cache.slot_positions, persistent=False)
         self.register_buffer("positions", cache.positions, persistent=False)
 
     def flat_cache(self) -> list[Tensor]:
-        return [getattr(self, f"{kind}_{layer}") for layer in self.kv_layers
-                for kind in ("keys", "values", "lengths")]
+        return [getattr(self, f"{kind}_{layer}") for layer in self.kv_layers for kind in self.graph.cache_kinds[layer]]
 
     def forward(self, tokens: Tensor) -> Tensor:
         cache = self.flat_cache()
         outputs = self.graph(tokens, self.positions, *cache)
-        self.graph.write_outputs(outputs, cache)
+        self.graph.write_outputs(outputs, cache, self.positions)
         self.positions.add_(1)
         return outputs[0]  # (B, V)
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from modcli.errors import UserError
-
 
 def store_token(keys: Tensor, values: Tensor, rows: Tensor, slots: Tensor, new_keys: Tensor,
                 new_values: Tensor) -> None:
@@ -54,7 +52,8 @@ class LayerKVCache:
                  device: torch.device, dtype: torch.dtype, static: bool = False, window: int = 0) -> None:
         self.max_slots = max_slots
         # --sliding-window: a local layer keeps each slot's original position (B, S), so that decode attends only
-        # to keys at distance < window (a routed layer's slots are not its positions); the buffers stay full-size
+        # to keys at distance < window (a routed layer's slots are not its positions; the decode graph reads it as
+        # slot_positions.L: modcli.decode.graphs); the buffers stay full-size
         self.window = window
         self.slot_positions = torch.zeros(batch, slots, dtype=torch.long, device=device) if window else None
         self.static = static  # never grows: buffers keep their address (compiled steps, CUDA graphs)
@@ -209,9 +208,6 @@ class DecoderCache:
         up front; routed layers start at the top-k share and grow, unless `static` (every layer preallocated for
         max_tokens, gpt-fast style: fixed shapes and addresses for a compiled decode step, at the price of the memory
         a routed layer would save)."""
-        if static and config.eager_only_options:
-            raise UserError(f"static decoding (--compile) does not support {', '.join(config.eager_only_options)} yet; "
-                            "decode without --compile")
         layers = []
         for layer in range(config.n_layers):
             if config.attention_dropped(layer):  # --drop: no attention, no cache (an empty one keeps the indices)

@@ -94,7 +94,8 @@ def onnxruntime_calls(config: ProfileConfig, models: dict[str, MoDDecoder], seq_
                     capacity=model_config.capacity_fraction(),
                     processed_row_layers=[layer for layer in range(model_config.n_layers)
                                           if model_config.kv_is_routed(layer)],
-                    kv_layers=model_config.kv_layers())
+                    kv_layers=model_config.kv_layers(),
+                    local_layers=[layer for layer in model_config.kv_layers() if model_config.is_sliding(layer)])
                 new_tokens = decode_tokens_for(model_config.vocab_size, batch, seq_len, config.decode_tokens, CPU)
                 prefilled = DecoderCache.allocate(model_config, batch, seq_len + config.decode_tokens, CPU)
                 with torch.no_grad():  # the eager causal prefill of the same tokens, untimed
@@ -131,6 +132,10 @@ def _decode_call(session, output_names: list[str], cache_spec: CacheSpec, prefil
         keys[:, :, :filled] = layer_cache.keys[:, :, :filled].float().cpu().numpy()
         values[:, :, :filled] = layer_cache.values[:, :, :filled].float().cpu().numpy()
         feeds[f"keys.{layer}"], feeds[f"values.{layer}"] = keys, values
+        if layer in cache_spec.local_layers:  # a sliding-window layer's decode graph reads each slot's position
+            slot_positions = np.zeros(shape[:1] + shape[2:3], dtype=np.int64)
+            slot_positions[:, :filled] = layer_cache.slot_positions[:, :filled].cpu().numpy()
+            feeds[f"slot_positions.{layer}"] = slot_positions
         start_lengths[layer] = layer_cache.lengths.cpu().numpy().astype(np.int64)
     positions = prefilled.positions.cpu().numpy().astype(np.int64)
 

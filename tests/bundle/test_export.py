@@ -233,7 +233,7 @@ def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     assert forward["inputs"] == [{"name": "tokens", "shape": ["batch", "seq"], "dtype": "int64"}]
     assert forward["outputs"][0] == {"name": "logits", "shape": ["batch", "seq", 256], "dtype": "float32"}
     assert forward["outputs"][1]["shape"] == ["batch", "capacity"]
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert decode["inputs"][2] == {"name": "keys.0", "shape": ["batch", 4, "slots.0", 8], "dtype": "float32"}
     # The decode graph returns only this step's K/V: slot dim 1, never a cache-sized output.
     assert [o["name"] for o in decode["outputs"]] == [
@@ -242,6 +242,8 @@ def test_bundle_is_valid_and_its_manifest_describes_it(bundle):
     assert all(o["shape"] == ["batch", 4, 1, 8] for o in decode["outputs"][1:9])
     cache = decode["cache"]
     assert cache["every_row_layers"] == [0, 2] and cache["processed_row_layers"] == [1, 3]
+    assert cache["local_layers"] == [] and cache["window"] == 0  # no sliding-window layer: no slot_positions inputs
+    assert not any(spec["name"].startswith("slot_positions") for spec in decode["inputs"])
     assert "in place" in cache["update"]
     checks = manifest["validation"]["checks"]
     assert {c["graph"] for c in checks} == {"forward", "decode"} and all(c["passed"] for c in checks)

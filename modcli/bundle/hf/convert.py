@@ -49,8 +49,8 @@ def refusal(model: MoDDecoder, routing: str) -> str | None:
     family = config.family
     if not family.exportable:
         return f"--arch {family.name} cannot be written as a Hugging Face folder: {family.export_note}"
-    if config.eager_only_options and plain_architecture(config, None) != "Gemma3ForCausalLM":
-        return (f"a Hugging Face folder holds {', '.join(config.eager_only_options)} (Gemma 3's traits) only as a dense "
+    if config.gemma_options and plain_architecture(config, None) != "Gemma3ForCausalLM":
+        return (f"a Hugging Face folder holds {', '.join(config.gemma_options)} (Gemma 3's traits) only as a dense "
                 "Gemma3ForCausalLM (q/k norms, norms after each sublayer, GeGLU, scaled embedding; no routing, "
                 "experts, drops, q/k/v biases or RoPE scaling); the run works with eval and generate")
     routers = _routers(model)
@@ -74,7 +74,7 @@ def plain_architecture(config: ModelConfig, source: str | None) -> str | None:
     architecture: Qwen3's attention_bias also biases the output projection)."""
     if not config.dense or config.experts or config.drop:  # a static drop: the folder's own code (no attention)
         return None
-    if config.eager_only_options:  # Gemma 3's traits: only all of them together, as Gemma 3 has them, have a plain form
+    if config.gemma_options:  # Gemma 3's traits: only all of them together, as Gemma 3 has them, have a plain form
         gemma = (config.qk_norm and config.sandwich_norm and config.scale_embeddings and not config.qkv_bias
                  and config.mlp_activation == "gelu-tanh" and config.rope_scaling is None)
         return "Gemma3ForCausalLM" if gemma else None

@@ -48,7 +48,7 @@ class Family:
     """`--drop` may remove sublayers of its blocks (each block its own, decoded at one depth)."""
     gemma_traits: bool = False
     """Its decoder honours Gemma 3's options (sandwich norms, GeGLU, embedding scale, sliding-window attention and its
-    RoPE base: `ModelConfig.eager_only_options`)."""
+    RoPE base: `ModelConfig.gemma_options`)."""
     exportable: bool = True
     """`modcli export` can lower it (else it refuses with `export_note` as the reason)."""
     router_fields: tuple[str, ...] = ()
