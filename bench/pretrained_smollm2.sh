@@ -51,10 +51,16 @@ QUIET_WAIT_S=${QUIET_WAIT_S:-30}
 # REUSE_RUNS=1: a recipe whose run ($WORK/NAME) and raw train/eval results are already there is not trained or
 # evaluated again, only profiled (re-timing a frontier on a quiet machine, or adding the long profile)
 REUSE_RUNS=${REUSE_RUNS:-0}
+# PROFILE=0: no `modcli profile` (with REUSE_RUNS=1: add TASKS to measured recipes; their profiles stay as they are)
+PROFILE=${PROFILE:-1}
 # Threads of the timed commands (modcli profile): on a shared machine, run the script with OMP_NUM_THREADS=1 (the
 # training and evaluation) and PROFILE_THREADS=2 (the timing, both models alike); empty: the environment's.
 PROFILE_THREADS=${PROFILE_THREADS:-${OMP_NUM_THREADS:-}}
 GEN_TOKENS=${GEN_TOKENS:-32}
+# Multiple-choice tasks (lm-eval, needs modcli[eval]) measured on the dense model and every point, zero-shot, e.g.
+# TASKS=modcli_license_choice (bench/tasks: which sentence comes next in a license text, offline); TASK_LIMIT=N items
+TASKS=${TASKS:-}
+TASK_LIMIT=${TASK_LIMIT:-}
 PROMPTS=${PROMPTS:-"def fibonacci(n):|The GNU General Public License is"}   # |-separated
 WORK=${WORK:-runs/smollm2}
 RESULTS=${RESULTS:-bench/results/smollm2}
@@ -112,11 +118,18 @@ measure_quality() {  # RUN OUT_PREFIX [--routing MODE]: eval on both corpora, gr
   "$MODCLI" generate "$run" "$@" "${prompt_flags[@]}" --temperature 0 --max-new-tokens "$GEN_TOKENS" --json \
     > "$prefix.generate.json"
 }
+measure_tasks() {  # RUN OUT_PREFIX [--routing MODE]: $TASKS (lm-eval, zero-shot, tasks from bench/tasks too)
+  local run=$1 prefix=$2; shift 2
+  [ -n "$TASKS" ] && [ ! -s "$prefix.tasks.json" ] || return 0
+  "$MODCLI" eval "$run" "$@" --tasks "$TASKS" --include-path bench/tasks ${TASK_LIMIT:+--limit "$TASK_LIMIT"} \
+    --batch-size "$EVAL_BATCH_SIZE" --json > "$prefix.tasks.json"
+}
 
 if [ ! -s "$RAW/dense.generate.json" ]; then
   log "dense: eval (stdlib, prose) and greedy text"
   measure_quality "$DENSE" "$RAW/dense"
 fi
+measure_tasks "$DENSE" "$RAW/dense"
 
 # recipes.txt lists every recipe measured into $RESULTS (the report reads it): a run with other recipes adds its lines
 # (replacing those of the same name) and keeps the earlier ones
@@ -152,6 +165,8 @@ while IFS='|' read -r name modes flags; do
       log "$name ($mode): eval (stdlib, prose) and greedy text"
       measure_quality "$run" "$RAW/$name.$mode" --routing "$mode" < /dev/null
     fi
+    measure_tasks "$run" "$RAW/$name.$mode" --routing "$mode" < /dev/null
+    [ "$PROFILE" = 1 ] || continue  # PROFILE=0: quality and tasks only (earlier profiles stay)
     log "$name ($mode): profile against dense at T = $PROFILE_SEQ_LENS"
     "$PY" bench/wait_quiet.py --max-wait "$QUIET_WAIT_S" < /dev/null || true
     timed "$MODCLI" profile "$run" --compare "$DENSE" --routing "$mode" --seq-lens "$PROFILE_SEQ_LENS" --batch-size 1 \
@@ -190,9 +205,15 @@ settings = dict(steps=$STEPS, batch=$BATCH, warmup=$WARMUP, capacity_warmup=$CAP
                 profile_repeats=$PROFILE_REPEATS, decode_tokens=$DECODE_TOKENS, gen_tokens=$GEN_TOKENS,
                 long_seq_len=$LONG_SEQ_LEN, long_recipes="$LONG_RECIPES", long_repeats=$LONG_REPEATS,
                 long_decode_tokens=$LONG_DECODE_TOKENS, export_recipe="$EXPORT_RECIPE", reuse_runs=$REUSE_RUNS,
+                tasks="$TASKS", task_limit="$TASK_LIMIT",
                 export_atol=$EXPORT_ATOL, threads="${OMP_NUM_THREADS:-}", profile_threads="$PROFILE_THREADS")
 record = dict(wall_s=int(sys.argv[2]), settings=settings, gguf="$(basename "$GGUF")", machine=platform.machine(),
               cpus=os.cpu_count(), load_avg_end=os.getloadavg())
+if "$REUSE_RUNS" == "1" and "$PROFILE" != "1" and os.path.exists(sys.argv[1]):
+    # quality/tasks only, over earlier results: the timings and their settings stay those of the run that took them
+    earlier = json.load(open(sys.argv[1]))
+    earlier["settings"].update(tasks=settings["tasks"], task_limit=settings["task_limit"])
+    record = dict(earlier, tasks_wall_s=record["wall_s"])
 open(sys.argv[1], "w").write(json.dumps(record, indent=1) + "\n")
 EOF
 log "report"

@@ -3,7 +3,8 @@
     python bench/pretrained_smollm2_report.py bench/results/smollm2 [MORE_RESULTS ...] [--ideal]
 
 Reads RESULTS/raw/ (recipes.txt, run.json, dense.*.json and NAME.MODE.{eval-stdlib,eval-prose,generate,profile}.json
-with NAME.train.json; where present NAME.MODE.profile-long.json, the long-context profile, and NAME.export.json with
+with NAME.train.json; where present NAME.MODE.tasks.json (and dense.tasks.json), multiple-choice accuracy,
+NAME.MODE.profile-long.json, the long-context profile, and NAME.export.json with
 NAME.runtime.json, the exported bundle and modcli-run's greedy text), then the recipes of each MORE_RESULTS/raw/ (runs
 of the script beside or after it, their dense model measured in RESULTS), and writes one JSON object a line per measured
 point (the dense model first) to RESULTS/results.jsonl, the Markdown table RESULTS/table.md and the figure
@@ -58,6 +59,9 @@ def quality(prefix: Path, mode: str | None) -> dict:
         row[f"loss_{corpus}"] = result["loss"]
         row[f"processed_fraction_{corpus}"] = mean_processed(result)
         row[f"eval_tokens_{corpus}"] = evaluation["tokens"]
+    tasks = prefix.with_name(f"{prefix.name}.tasks.json")
+    if tasks.is_file():  # TASKS: local multiple-choice accuracy (lm-eval), e.g. bench/tasks' license choice
+        row["task_acc"] = {r["task"]: r["metrics"]["acc"] for r in read_json(tasks)["results"]}
     generated = read_json(prefix.with_name(f"{prefix.name}.generate.json"))
     row["greedy_texts"] = generated["texts"]
     row["generate_kv_cache_ratio"] = generated["kv_cache_bytes"] / generated["dense_kv_cache_bytes"]
@@ -202,6 +206,16 @@ def table(run: dict, rows: list[dict]) -> str:
                     f"({row[f'decode_speedup_ideal_T{t}']:.2f}) | {row[f'kv_cache_ratio_T{t}']:.2f} | "
                     f"{row[f'dense_prefill_ms_T{t}']:.0f} | {row[f'dense_decode_ms_T{t}']:.1f} | "
                     f"{row['long_profile_load_avg'][0][0]:.1f} / {row['long_profile_load_avg'][1][0]:.1f} |")
+        lines.append("")
+    task_rows = [row for row in rows if row.get("task_acc")]
+    if task_rows:
+        names = sorted({task for row in task_rows for task in row["task_acc"]})
+        lines += ["Multiple-choice accuracy (TASKS, lm-eval `acc`, zero-shot):", "",
+                  "| recipe | mode | " + " | ".join(names) + " |", "|" + " --- |" * (2 + len(names))]
+        for row in task_rows:
+            lines.append(f"| {row['recipe']} | {row['routing']} | "
+                         + " | ".join(f"{row['task_acc'][n]:.3f}" if n in row["task_acc"] else "-" for n in names)
+                         + " |")
         lines.append("")
     for row in points:
         if "export_valid" in row:

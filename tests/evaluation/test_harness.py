@@ -467,3 +467,32 @@ def test_broken_task_files_and_too_many_shots_are_one_line_naming_the_task_and_f
     monkeypatch.setattr(harness, "score_continuations", broken_model)  # modcli's own failure keeps its traceback
     result = runner.invoke(app, [*base, "--tasks", "modcli_tiny_choice"])
     assert isinstance(result.exception, RuntimeError) and "a bug in modcli's scoring" in str(result.exception)
+
+
+@needs_lm_eval
+def test_bench_license_choice_items(tmp_path):
+    """bench/tasks' local multiple-choice task: each item's right answer is the sentence after its two context
+    sentences, the three others come from other texts (never from the item's own), and the build is deterministic;
+    identical texts (GPL and its link GPL-3) count once."""
+    spec = importlib.util.spec_from_file_location("bench_task_data", ROOT / "bench" / "tasks" / "data.py")
+    data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(data)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    for index, name in enumerate(["A", "B", "C", "D"]):
+        text = "".join(f"License {name} sentence {i} speaks of {words[(i + index) % 8]} and more words here. "
+                       for i in range(12))
+        (tmp_path / name).write_text(text)
+    (tmp_path / "A-copy").write_text((tmp_path / "A").read_text())
+    items = data.build_items(tmp_path, items=20, seed=3)
+    assert len(items) == 20 and items == data.build_items(tmp_path, items=20, seed=3)
+    assert {item["license"] for item in items} <= {"A", "B", "C", "D"}  # A-copy is A
+    for item in items:
+        sentences = data._sentences((tmp_path / item["license"]).read_text())
+        where = sentences.index(item["context"].split(". ")[0] + ".")
+        assert item["choices"][item["answer"]] == sentences[where + 2]
+        assert len(item["choices"]) == 4 and len(set(item["choices"])) == 4
+        others = [c for i, c in enumerate(item["choices"]) if i != item["answer"]]
+        assert all(f"License {item['license']} " not in choice for choice in others)
+    (tmp_path / "B").unlink(), (tmp_path / "C").unlink(), (tmp_path / "D").unlink()
+    with pytest.raises(FileNotFoundError, match="at least two"):
+        data.build_items(tmp_path)
